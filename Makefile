@@ -1,0 +1,44 @@
+# Every target sets up .venv first (idempotent: a stamp file skips the work when nothing changed).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# CPU machines take the local torch 2.13.0 CPU wheel; an unpinned torch would pull GBs of CUDA.
+CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,constraints-cpu.txt)
+PIP_C   := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+DEPS    := torch==2.13.0 triton transformers deepspeed pytest pytest-benchmark ruff matplotlib \
+           tqdm numpy ninja
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench lint format clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml constraints-cpu.txt $(wildcard csrc/*)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q $(PIP_C) $(DEPS)
+	$(BIN)/pip install -q $(PIP_C) --no-build-isolation --no-deps -e .
+	$(BIN)/python -c "import rlhf_kernels, torch; print('rlhf_kernels', rlhf_kernels.__version__, \
+	'torch', torch.__version__, 'native ext:', rlhf_kernels.has_native_ext())"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/python -m trainers.demo
+
+bench: install
+	$(BIN)/python -m pytest bench --benchmark-only --benchmark-json=bench/results/latest-raw.json
+	$(BIN)/python bench/report.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info rlhf_kernels/*.so

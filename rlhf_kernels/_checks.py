@@ -1,0 +1,37 @@
+"""Input checks shared by the ops: raise early, name the argument, say expected vs given."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
+    """Validate a ``cu_seqlens`` tensor against a packed length and return it as a Python list.
+
+    Invariants: 1-D integer tensor, ``cu_seqlens[0] == 0``, non-decreasing,
+    ``cu_seqlens[-1] == total``. (One small host copy: the check reads the values.)
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with at least one entry, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(f"{name} must be non-decreasing, but {name}[{i}]={cu[i]} < "
+                             f"{name}[{i - 1}]={cu[i - 1]}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
+    return cu
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        given = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on the same device, got {given}")

@@ -1,0 +1,1 @@
+"""Bounded-memory rollout distribution over torch.distributed."""

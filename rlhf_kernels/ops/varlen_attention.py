@@ -1,0 +1,251 @@
+"""Packed (varlen) attention: many sequences in one stream, attention never crosses a boundary.
+
+Layout (flash-attn's): q ``(total_q, heads, head_dim)``, k/v ``(total_k, kv_heads, head_dim)``,
+``cu_seqlens_*`` int32 ``[0, l0, l0+l1, ...]``; sequence ``i`` owns rows
+``cu[i]:cu[i+1]``. The log-sum-exp is ``(heads, total_q)`` fp32.
+
+Masks follow flash-attn: with ``lq`` queries and ``lk`` keys in a sequence, query ``i`` sits at
+key coordinate ``i + lk - lq`` (bottom-right alignment). Key ``j`` is visible when
+``j <= i + lk - lq + right`` (``right = 0`` when causal) and ``j >= i + lk - lq - left``; a negative
+window side is unbounded. A query that sees no key gets output 0 and lse ``-inf``.
+
+Backends: ``torch`` (this file: readable, memory bounded by the longest sequence),
+``triton`` (``varlen_attention_triton.py``), ``flash_attn`` (CUDA, when installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_kernels._checks import check_cu_seqlens, check_same_device
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+# ----------------------------------------------------------------------------- reference math
+def attention_mask(lq: int, lk: int, causal: bool, window_size: tuple[int, int],
+                   device=None) -> torch.Tensor | None:
+    """Boolean ``(lq, lk)`` visibility mask of one sequence, or None when everything is visible."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)  # query -> key coordinate
+    j = torch.arange(lk, device=device).unsqueeze(0)
+    ok = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= j <= i + right
+    if left >= 0:
+        ok &= j >= i - left
+    return ok
+
+
+def _sequence_attention(q, k, v, scale, causal, window_size, softcap, dropout_p=0.0):
+    """One sequence, explicit math. q ``(H, lq, D)``, k/v ``(H, lk, D)`` (kv heads expanded).
+
+    Returns out ``(H, lq, D)`` and lse ``(H, lq)`` in q's dtype (callers upcast first if wanted).
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (H, lq, lk)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    mask = attention_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    if dropout_p > 0:
+        p = F.dropout(p, dropout_p)
+    return torch.matmul(p, v), lse
+
+
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None,
+                               causal=False, window_size=(-1, -1), softcap=0.0, upcast=False):
+    """Readable reference: a loop over sequences with dense per-sequence math.
+
+    Computes in q's dtype unless ``upcast`` (then fp32 for half types). Used as the float64 ground
+    truth in tests (pass float64 tensors) and as "plain torch in low precision" for tolerances.
+    Returns ``(out, lse)``: out ``(total_q, heads, head_dim)`` in q's dtype, lse
+    ``(heads, total_q)`` fp32 (float64 for float64 inputs).
+    """
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    cdt = torch.float32 if (upcast and q.dtype in (torch.float16, torch.bfloat16)) else q.dtype
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1).to(cdt)
+        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).to(cdt)
+        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1).to(cdt)
+        if kv_heads != heads:
+            ks = ks.repeat_interleave(heads // kv_heads, dim=0)
+            vs = vs.repeat_interleave(heads // kv_heads, dim=0)
+        o, lse = _sequence_attention(qs, ks, vs, scale, causal, tuple(window_size), softcap)
+        outs.append(o.transpose(0, 1))
+        lses.append(lse)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses, 1) if lses else q.new_zeros(heads, 0)
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+# ----------------------------------------------------------------------------- torch backend
+def _torch_varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window_size, softcap,
+                            dropout_p, return_lse):
+    """Per-sequence loop. Memory is bounded by the longest sequence, never by the whole pack.
+
+    Plain causal/full self-attention without lse uses SDPA (fused on CPU and CUDA); everything
+    else uses the explicit fp32 math of the reference.
+    """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    plain = softcap == 0 and not return_lse and tuple(window_size) == (-1, -1)
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        if plain and lk > 0 and (not causal or lq == lk):
+            o = F.scaled_dot_product_attention(
+                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), dropout_p=dropout_p,
+                is_causal=causal and lq > 0, scale=scale, enable_gqa=group > 1,
+            )[0]
+            outs.append(o.transpose(0, 1))
+            continue
+        if group > 1:
+            ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
+        o, lse = _sequence_attention(qs.to(cdt), ks.to(cdt), vs.to(cdt), scale, causal,
+                                     window_size, softcap, dropout_p)
+        outs.append(o.transpose(0, 1).to(q.dtype))
+        lses.append(lse.float())
+    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, 1) if lses else q.new_zeros(heads, 0, dtype=torch.float32)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                  window_size, softcap):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be (total_tokens, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float32/float16/bfloat16/float64, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) must match")
+    if q.shape[2] > 256:
+        raise ValueError(f"head_dim must be <= 256, got {q.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of kv heads of k "
+                         f"({k.shape[1]})")
+    cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}")
+    for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q),
+                            ("max_seqlen_k", max_seqlen_k, cu_k)):
+        longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+        if given is not None and int(given) < longest:
+            raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if len(tuple(window_size)) != 2:
+        raise ValueError(f"window_size must be (left, right), got {window_size!r}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    return cu_q, cu_k
+
+
+def _flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_available():
+            return "flash_attn"
+        if q.is_cuda and dropout_p == 0:
+            return "triton"
+        return "torch"
+    if backend == "flash_attn" and not (q.is_cuda and _flash_attn_available()):
+        raise ValueError("backend='flash_attn' needs CUDA tensors and the flash-attn package")
+    if backend == "triton" and dropout_p > 0:
+        raise ValueError(f"backend='triton' does not support dropout, got dropout_p={dropout_p}")
+    return backend
+
+
+# ----------------------------------------------------------------------------- public API
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                     softcap=0.0, return_lse=False, backend="auto"):
+    """Attention over packed sequences; a drop-in for ``flash_attn_varlen_func``.
+
+    Args:
+        q: ``(total_q, heads, head_dim)``, fp32/fp16/bf16 (fp64 on the torch backend).
+        k, v: ``(total_k, kv_heads, head_dim)``; ``heads % kv_heads == 0`` (GQA/MQA: query head
+            ``h`` reads kv head ``h // (heads // kv_heads)``). head_dim <= 256, any value.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, ``[0, ..., total]``, non-decreasing.
+        max_seqlen_q, max_seqlen_k: longest sequence (used for the kernel grid); None computes it.
+        dropout_p: attention dropout (torch and flash_attn backends only).
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        causal: bottom-right aligned causal mask.
+        window_size: ``(left, right)`` sliding window; -1 means unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2).
+        return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32 (natural log of the
+            masked, scaled, capped scores' exp-sum; ``-inf`` for a query that sees no key).
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"flash_attn"``.
+
+    Returns:
+        out ``(total_q, heads, head_dim)`` in q's dtype, or ``(out, lse)``. Differentiable in
+        q, k, v (through ``out``; the lse is for merging partial results, as in flash-attn).
+    """
+    cu_q, cu_k = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, window_size, softcap)
+    backend = resolve_backend(backend, q, dropout_p)
+    if backend == "flash_attn" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"backend='flash_attn' needs fp16/bf16, got {q.dtype}")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    window_size = (int(window_size[0]), int(window_size[1]))
+    if max_seqlen_q is None:
+        max_seqlen_q = max((b - a for a, b in zip(cu_q[:-1], cu_q[1:])), default=0)
+    if max_seqlen_k is None:
+        max_seqlen_k = max((b - a for a, b in zip(cu_k[:-1], cu_k[1:])), default=0)
+
+    if backend == "torch":
+        return _torch_varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window_size,
+                                       float(softcap), dropout_p, return_lse)
+    if backend == "triton":
+        from rlhf_kernels.ops.varlen_attention_triton import triton_varlen_attention
+
+        out, lse = triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                           int(max_seqlen_k), scale, causal, window_size,
+                                           float(softcap))
+        return (out, lse) if return_lse else out
+    from flash_attn import flash_attn_varlen_func
+
+    res = flash_attn_varlen_func(q, k, v, cu_seqlens_q.int(), cu_seqlens_k.int(),
+                                 int(max_seqlen_q), int(max_seqlen_k), dropout_p=dropout_p,
+                                 softmax_scale=scale, causal=causal, window_size=window_size,
+                                 softcap=float(softcap), return_attn_probs=return_lse)
+    return (res[0], res[1]) if return_lse else res

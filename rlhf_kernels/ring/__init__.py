@@ -1,0 +1,1 @@
+"""Ring attention (sequence parallelism) over torch.distributed."""

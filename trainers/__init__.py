@@ -1,0 +1,1 @@
+"""Thin SFT / RM / PPO trainers composed from rlhf_kernels."""
