@@ -1,0 +1,181 @@
+"""varlen_attention: the torch backend and input validation, against a float64 reference."""
+
+import pytest
+import torch
+
+from rlhf_kernels import varlen_attention
+from rlhf_kernels.ops.varlen_attention import attention_mask, varlen_attention_reference
+
+LENS = [1, 5, 47, 0, 31, 2]  # uneven, includes length 1 and an empty sequence
+CASES = [  # (causal, window_size, softcap)
+    (True, (-1, -1), 0.0),
+    (False, (-1, -1), 0.0),
+    (True, (7, -1), 0.0),
+    (False, (5, 3), 0.0),
+    (True, (-1, -1), 4.0),
+]
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _qkv(lens_q, lens_k, heads=4, kv_heads=2, dim=40, dtype=torch.float64):
+    q = torch.randn(sum(lens_q), heads, dim, dtype=dtype)
+    k = torch.randn(sum(lens_k), kv_heads, dim, dtype=dtype)
+    v = torch.randn(sum(lens_k), kv_heads, dim, dtype=dtype)
+    return q, k, v
+
+
+def _dense_reference(q, k, v, lens_q, lens_k, causal, window, softcap):
+    """Independent check of the reference: the whole pack as one masked matrix."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    oq = ok = 0
+    for lq, lk in zip(lens_q, lens_k):
+        m = attention_mask(lq, lk, causal, window)
+        mask[oq:oq + lq, ok:ok + lk] = True if m is None else m
+        oq, ok = oq + lq, ok + lk
+    s = torch.einsum("qhd,khd->hqk", q, kk) / q.shape[-1] ** 0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.nan_to_num(torch.softmax(s, -1))
+    assert heads == s.shape[0]
+    return torch.einsum("hqk,khd->qhd", p, vv), lse
+
+
+@pytest.mark.parametrize("causal,window,softcap", CASES)
+def test_reference_matches_dense_whole_pack(causal, window, softcap):
+    lens_k = [3, 5, 47, 0, 31, 6]  # lq <= lk and lq > lk: bottom-right alignment, empty rows
+    q, k, v = _qkv(LENS, lens_k)
+    out, lse = varlen_attention_reference(q, k, v, _cu(LENS), _cu(lens_k), causal=causal,
+                                          window_size=window, softcap=softcap)
+    out_d, lse_d = _dense_reference(q, k, v, LENS, lens_k, causal, window, softcap)
+    torch.testing.assert_close(out, out_d, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, lse_d, rtol=1e-10, atol=1e-10)
+
+
+def test_bottom_right_alignment_gives_empty_rows():
+    # lq=4, lk=2 causal: the first two queries see no key -> out 0, lse -inf.
+    q, k, v = _qkv([4], [2])
+    out, lse = varlen_attention_reference(q, k, v, _cu([4]), _cu([2]), causal=True)
+    assert torch.all(out[:2] == 0) and torch.all(torch.isneginf(lse[:, :2]))
+    assert torch.all(torch.isfinite(lse[:, 2:]))
+
+
+@pytest.mark.parametrize("causal,window,softcap", CASES)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_torch_backend_fp32_forward_backward(causal, window, softcap, return_lse):
+    q64, k64, v64 = _qkv(LENS, LENS)
+    for t in (q64, k64, v64):
+        t.requires_grad_(True)
+    ref, ref_lse = varlen_attention_reference(q64, k64, v64, _cu(LENS), _cu(LENS), causal=causal,
+                                              window_size=window, softcap=softcap)
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do)
+
+    q, k, v = (t.detach().float().requires_grad_(True) for t in (q64, k64, v64))
+    res = varlen_attention(q, k, v, _cu(LENS), _cu(LENS), max(LENS), max(LENS), causal=causal,
+                           window_size=window, softcap=softcap, return_lse=return_lse,
+                           backend="torch")
+    out = res[0] if return_lse else res
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+    if return_lse:
+        assert res[1].dtype == torch.float32 and res[1].shape == (4, sum(LENS))
+        torch.testing.assert_close(res[1].double(), ref_lse, rtol=0, atol=2e-6)
+    grads = torch.autograd.grad(out, (q, k, v), do.float())
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), rg, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal,window,softcap", [CASES[0], CASES[2], CASES[4]])
+def test_torch_backend_low_precision_within_twice_plain_torch(dtype, causal, window, softcap):
+    lens = [67, 1, 123, 31]
+    q64, k64, v64 = _qkv(lens, lens, heads=4, kv_heads=1, dim=40)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    ref, _ = varlen_attention_reference(q64, k64, v64, _cu(lens), _cu(lens), **kw)
+    q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+    plain, _ = varlen_attention_reference(q, k, v, _cu(lens), _cu(lens), **kw)  # no upcast
+    ours = varlen_attention(q, k, v, _cu(lens), _cu(lens), backend="torch", **kw)
+    assert ours.dtype == dtype
+    err_plain = (plain.double() - ref).abs().max().item()
+    err_ours = (ours.double() - ref).abs().max().item()
+    assert err_ours <= 2 * err_plain + 1e-6, (err_ours, err_plain)
+
+
+def test_gqa_matches_expanded_heads():
+    q, k, v = _qkv(LENS, LENS, heads=6, kv_heads=2)
+    out = varlen_attention(q, k, v, _cu(LENS), _cu(LENS), causal=True, backend="torch")
+    full = varlen_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), _cu(LENS),
+                            _cu(LENS), causal=True, backend="torch")
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
+
+
+def test_samples_do_not_interact():
+    q, k, v = _qkv(LENS, LENS)
+    out = varlen_attention(q, k, v, _cu(LENS), _cu(LENS), causal=True, backend="torch")
+    k2, v2 = k.clone(), v.clone()
+    k2[:6] += 10.0  # perturb the first two sequences only
+    v2[:6] -= 3.0
+    out2 = varlen_attention(q, k2, v2, _cu(LENS), _cu(LENS), causal=True, backend="torch")
+    assert not torch.allclose(out[:6], out2[:6])
+    torch.testing.assert_close(out[6:], out2[6:], rtol=0, atol=0)
+
+
+def test_auto_on_cpu_is_torch_and_dropout_only_in_training_math():
+    q, k, v = _qkv([9, 4], [9, 4], dtype=torch.float32)
+    a = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), causal=True)
+    b = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), causal=True, backend="torch")
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    d = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), dropout_p=0.5, backend="torch")
+    assert d.shape == q.shape and not torch.allclose(d, b)
+
+
+# ----------------------------------------------------------------------------- bad input
+def _args(**over):
+    q, k, v = _qkv([3, 4], [3, 4], dtype=torch.float32)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=_cu([3, 4]), cu_seqlens_k=_cu([3, 4]))
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(q=torch.randn(7, 4)), ValueError, "q must be"),
+    (dict(k=torch.randn(7, 2, 32), v=torch.randn(7, 2, 32)), ValueError, "head_dim"),
+    (dict(k=torch.randn(7, 3, 40), v=torch.randn(7, 3, 40)), ValueError, "multiple of kv heads"),
+    (dict(v=torch.randn(7, 2, 40, dtype=torch.float16)), TypeError, "share a dtype"),
+    (dict(q=torch.randint(0, 3, (7, 4, 40))), TypeError, "q must be float"),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 3, 7], dtype=torch.int32)), ValueError,
+     "non-decreasing"),
+    (dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError, r"\[0\] must be 0"),
+    (dict(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError,
+     "must equal the packed length 7"),
+    (dict(cu_seqlens_q=torch.tensor([0, 3.0, 7])), TypeError, "int32 or int64"),
+    (dict(cu_seqlens_q=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "same number"),
+    (dict(q=torch.randn(7, 4, 300), k=torch.randn(7, 2, 300), v=torch.randn(7, 2, 300)),
+     ValueError, "<= 256"),
+    (dict(q=torch.randn(7, 4, 40, device="meta")), ValueError, "same device"),
+])
+def test_bad_input_raises_before_work(over, exc, match):
+    with pytest.raises(exc, match=match):
+        varlen_attention(**_args(**over))
+
+
+def test_bad_options_raise():
+    with pytest.raises(ValueError, match="max_seqlen_q=2 is smaller"):
+        varlen_attention(**_args(), max_seqlen_q=2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        varlen_attention(**_args(), backend="cuda")
+    with pytest.raises(ValueError, match="does not support dropout"):
+        varlen_attention(**_args(), dropout_p=0.1, backend="triton")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        varlen_attention(**_args(), backend="flash_attn")
+    with pytest.raises(ValueError, match="softcap"):
+        varlen_attention(**_args(), softcap=-1.0)
+    with pytest.raises(ValueError, match="dropout_p"):
+        varlen_attention(**_args(), dropout_p=1.5)
