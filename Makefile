@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # CPU machines take the local torch 2.13.0 CPU wheel; an unpinned torch would pull GBs of CUDA.
 CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,constraints-cpu.txt)
 PIP_C   := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
-DEPS    := torch==2.13.0 triton transformers deepspeed pytest pytest-benchmark ruff matplotlib \
+DEPS    := setuptools wheel torch==2.13.0 triton transformers deepspeed pytest pytest-benchmark ruff matplotlib \
            tqdm numpy ninja
 PYTEST_ARGS ?=
 
