@@ -1,0 +1,173 @@
+"""RingPlan: placement of a packed stream over ring ranks (single process, no communication)."""
+
+import pickle
+
+import pytest
+import torch
+
+from rlhf_kernels.ops.varlen_attention import attention_mask
+from rlhf_kernels.ring.plan import RingPlan
+
+DOCS = [
+    [47],
+    [1],
+    [3, 1, 31, 2],  # documents shorter than the world size
+    [0, 5, 0, 67, 1],  # empty documents
+    [13, 17, 19, 23, 29],
+]
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("lengths", DOCS)
+def test_shard_unshard_roundtrip(lengths, world, layout):
+    cu = _cu(lengths)
+    plan = RingPlan.build(cu, world, layout)
+    total = int(cu[-1])
+    x = torch.randn(total, 3, 2, dtype=torch.float64)
+    shards = [plan.shard(x, r) for r in range(world)]
+    assert all(s.shape == (plan.local_len, 3, 2) for s in shards)
+    torch.testing.assert_close(plan.unshard(shards), x, rtol=0, atol=0)
+    # every real token exactly once; pad slots are zero
+    seen = torch.cat([plan.global_index[r][plan.valid_mask(r)] for r in range(world)])
+    assert sorted(seen.tolist()) == list(range(total))
+    for r in range(world):
+        assert (shards[r][~plan.valid_mask(r)] == 0).all()
+    assert sum(plan.num_tokens(r) for r in range(world)) == total
+    # positions and per-document counts agree with the stream
+    ids = torch.arange(total)
+    doc_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos_of = ids - cu.long()[doc_of]
+    for r in range(world):
+        v = plan.valid_mask(r)
+        assert torch.equal(plan.position_ids(r)[v], pos_of[plan.global_index[r][v]])
+        assert (plan.position_ids(r)[~v] == 0).all()
+        assert torch.equal(
+            plan.local_seqlens(r),
+            torch.bincount(doc_of[plan.global_index[r][v]], minlength=len(lengths)),
+        )
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_unshard_is_differentiable(layout):
+    plan = RingPlan.build(_cu([5, 9, 2]), 3, layout)
+    x = torch.randn(16, 4, requires_grad=True)
+    y = plan.unshard([plan.shard(x, r) for r in range(3)])
+    w = torch.randn(16, 4)
+    (y * w).sum().backward()
+    torch.testing.assert_close(x.grad, w)
+
+
+def test_zigzag_holds_head_and_tail_chunks():
+    plan = RingPlan.build(_cu([16]), 4, "zigzag")  # 8 chunks of 2
+    assert plan.local_len == 4
+    assert plan.global_index[0].tolist() == [0, 1, 14, 15]
+    assert plan.global_index[3].tolist() == [6, 7, 8, 9]
+    # length 10 on 2 ranks: chunks of sizes 2,3,2,3 padded to 3 slots
+    plan = RingPlan.build(_cu([10]), 2, "zigzag")
+    assert plan.global_index.tolist() == [[0, 1, -1, 7, 8, 9], [2, 3, 4, 5, 6, -1]]
+
+
+def test_contiguous_is_equal_slices():
+    plan = RingPlan.build(_cu([4, 3]), 3, "contiguous")
+    assert plan.global_index.tolist() == [[0, 1, 2], [3, 4, 5], [6, -1, -1]]
+    assert plan.doc.tolist() == [[0, 0, 0], [0, 1, 1], [1, -1, -1]]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_next_token_labels_cross_shard_boundaries(layout):
+    lengths = [7, 1, 12, 5]
+    plan = RingPlan.build(_cu(lengths), 3, layout)
+    ids = torch.randint(0, 100, (25,))
+    expect = torch.full((25,), -100)
+    start = 0
+    for n in lengths:
+        expect[start : start + n - 1] = ids[start + 1 : start + n]
+        start += n
+    torch.testing.assert_close(plan.next_token_labels(ids), expect)
+    shards = [plan.next_token_labels(ids, r) for r in range(3)]
+    torch.testing.assert_close(plan.unshard(shards), expect)
+    for r in range(3):
+        assert (shards[r][~plan.valid_mask(r)] == -100).all()
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize(
+    "causal,window", [(True, (-1, -1)), (True, (5, 0)), (False, (3, 2)), (False, (-1, -1))]
+)
+def test_attention_work_counts_visible_pairs(layout, causal, window):
+    lengths = [9, 1, 14, 3]
+    plan = RingPlan.build(_cu(lengths), 3, layout)
+    visible = {}
+    for d, n in enumerate(lengths):
+        m = attention_mask(n, n, causal, window)
+        visible[d] = m.sum(1) if m is not None else torch.full((n,), n)
+    for r in range(3):
+        expect = sum(
+            int(visible[d][p]) for d, p in zip(plan.doc[r].tolist(), plan.pos[r].tolist()) if d >= 0
+        )
+        assert int(plan.attention_work(causal, window)[r]) == expect
+
+
+def test_zigzag_balances_causal_work():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 3000, (24,), generator=g).tolist()
+    zig = RingPlan.build(_cu(lengths), 4, "zigzag").attention_work(causal=True).double()
+    con = RingPlan.build(_cu(lengths), 4, "contiguous").attention_work(causal=True).double()
+    assert zig.sum() == con.sum()
+    assert zig.max() / zig.mean() <= 1.05
+    assert con.max() / con.mean() > zig.max() / zig.mean()
+
+
+def test_segments_cover_real_slots():
+    plan = RingPlan.build(_cu([10, 0, 3, 7]), 2, "zigzag")
+    for r in range(2):
+        covered = torch.zeros(plan.local_len, dtype=torch.bool)
+        for start, n, d, p0 in plan.segments(r):
+            assert plan.doc[r][start : start + n].eq(d).all()
+            assert plan.pos[r][start : start + n].tolist() == list(range(p0, p0 + n))
+            covered[start : start + n] = True
+        assert torch.equal(covered, plan.valid_mask(r))
+
+
+def test_plan_is_picklable_and_fingerprinted():
+    plan = RingPlan.build(_cu([5, 8]), 2)
+    plan.segments(0)
+    again = pickle.loads(pickle.dumps(plan))
+    assert again.fingerprint() == plan.fingerprint()
+    assert torch.equal(again.global_index, plan.global_index)
+    assert again._cache == {}
+    assert RingPlan.build(_cu([5, 8]), 3).fingerprint() != plan.fingerprint()
+    assert RingPlan.build(_cu([8, 5]), 2).fingerprint() != plan.fingerprint()
+    assert RingPlan.build([0, 5, 13], 2, "contiguous").fingerprint() != plan.fingerprint()
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="world_size"):
+        RingPlan.build(_cu([3]), 0)
+    with pytest.raises(ValueError, match="layout"):
+        RingPlan.build(_cu([3]), 2, "llama3")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        RingPlan.build(torch.tensor([0, 4, 2]), 2)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\]"):
+        RingPlan.build(torch.tensor([1, 4]), 2)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        RingPlan.build(torch.tensor([0.0, 4.0]), 2)
+    plan = RingPlan.build(_cu([3, 4]), 2)
+    with pytest.raises(ValueError, match="rank"):
+        plan.shard(torch.zeros(7), 2)
+    with pytest.raises(ValueError, match="packed length 7"):
+        plan.shard(torch.zeros(6), 0)
+    with pytest.raises(ValueError, match="2 shards"):
+        plan.unshard([torch.zeros(plan.local_len)])
+    with pytest.raises(ValueError, match=r"shards\[1\]"):
+        plan.unshard([torch.zeros(plan.local_len), torch.zeros(plan.local_len + 1)])
+    with pytest.raises(ValueError, match="length 7"):
+        plan.next_token_labels(torch.zeros(5, dtype=torch.long))
