@@ -1,0 +1,783 @@
+"""Triton backend of :func:`rlhf_kernels.ops.varlen_attention.varlen_attention`.
+
+FlashAttention-2 style kernels over packed sequences (flash-attn layout): q ``(total_q, H, D)``,
+k/v ``(total_k, KVH, D)``, ``cu_seqlens_*`` int32 ``(batch + 1,)``, lse ``(H, total_q)`` fp32.
+The semantics are those of ``varlen_attention_reference`` (bottom-right aligned causal mask,
+``(left, right)`` sliding window, softcap, output 0 and lse ``-inf`` for a query that sees no key).
+
+* Forward: one launch for the whole pack, grid ``(cdiv(max_seqlen_q, BLOCK_M), batch, H)``;
+  programs past their sequence's end exit. Online softmax in fp32 with exp2 (scores carried in
+  log2 units); only the key blocks that the causal/window mask leaves visible to a query block
+  are visited, so no ``T x T`` matrix exists anywhere.
+* Backward: ``delta = rowsum(dO * O)`` (preprocess kernel), then a dK/dV kernel (one program per
+  key block and KV head, looping over the query heads of its GQA group and the query blocks that
+  can see the block) and a dQ kernel (one program per query block and head). No atomics: the
+  gradients are deterministic.
+
+Block sizes (see :func:`_block_sizes`): the head dim is padded to ``BLOCK_D = max(16,
+next_pow2(D))`` with masked loads. Under ``TRITON_INTERPRET=1`` every block is 16 (the smallest
+``tl.dot`` tile) so the CPU interpreter stays fast. On CUDA: forward ``BLOCK_M=128, BLOCK_N=64``
+for ``BLOCK_D <= 128`` (64 x 32 above), backward 64 x 64 for ``BLOCK_D <= 64``, 32 x 32 above,
+halved again for fp32 inputs at ``BLOCK_D >= 128`` (twice the shared memory per tile). A launch
+that runs out of shared memory is retried with halved blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    # DOT_F32: multiply in fp32. Only for bf16 under the interpreter, whose bf16 tl.dot is wrong
+    # (numpy has no bf16); the operands are already rounded to bf16, so the result matches a GPU
+    # bf16 x bf16 -> fp32 product up to summation order.
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(|x|) = (1 - e^{-2|x|}) / (1 + e^{-2|x|}): no overflow for any x, portable (no libdevice)
+    e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(
+    q,
+    k,
+    rows,
+    cols,
+    lq,
+    lk,
+    diff,
+    left,
+    right,
+    scale,
+    softcap,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Masked scores of a ``(BLOCK_M, BLOCK_N)`` tile in log2 units, and tanh (softcap backward).
+
+    ``rows``/``cols`` are positions inside the sequence; query ``i`` sits at key ``i + diff``
+    (``diff = lk - lq``, bottom-right alignment). Masked entries are ``-inf``.
+    """
+    s = _dot(q, tl.trans(k), DOT_PREC, DOT_F32) * scale
+    t = s
+    if SOFTCAP:
+        t = _tanh(s / softcap)
+        s = softcap * t
+    valid = (rows[:, None] < lq) & (cols[None, :] < lk)
+    qpos = rows[:, None] + diff
+    if HAS_RIGHT:
+        valid = valid & (cols[None, :] <= qpos + right)
+    if HAS_LEFT:
+        valid = valid & (cols[None, :] >= qpos - left)
+    s = tl.where(valid, s * LOG2E, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _key_range(
+    start_m,
+    lq,
+    lk,
+    diff,
+    left,
+    right,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``[lo, hi)`` keys that rows ``start_m .. start_m + BLOCK_M - 1`` may see; lo is aligned."""
+    lo = start_m * 0
+    hi = lk + 0
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + diff - left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        last = tl.minimum(start_m + BLOCK_M, lq) - 1
+        hi = tl.minimum(last + diff + right + 1, lk)
+    return lo, hi
+
+
+@triton.jit
+def _query_range(
+    start_n,
+    lq,
+    lk,
+    diff,
+    left,
+    right,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``[lo, hi)`` queries that may see keys ``start_n .. start_n + BLOCK_N - 1``."""
+    # key j is visible to query i  <=>  i + diff - left <= j <= i + diff + right
+    lo = start_n * 0
+    hi = lq + 0
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - diff - right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        last = tl.minimum(start_n + BLOCK_N, lk) - 1
+        hi = tl.minimum(last - diff + left + 1, lq)
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU_Q,
+    CU_K,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    scale,
+    softcap,
+    left,
+    right,
+    head_dim,
+    GROUP: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # k and v share shape and strides (contiguous copies made by the host wrapper)
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q0 = tl.load(CU_Q + b)
+    lq = tl.load(CU_Q + b + 1) - q0
+    if start_m >= lq:
+        return
+    k0 = tl.load(CU_K + b)
+    lk = tl.load(CU_K + b + 1) - k0
+    diff = lk - lq
+    kh = h // GROUP
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < head_dim
+    q_tok = (q0 + rows).to(tl.int64)
+    q = tl.load(
+        Q + q_tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=(rows[:, None] < lq) & d_ok,
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = _key_range(start_m, lq, lk, diff, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_off = (k0 + cols).to(tl.int64)[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
+        kv_mask = (cols[:, None] < lk) & d_ok
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        s, _ = _scores(
+            q,
+            k,
+            rows,
+            cols,
+            lq,
+            lk,
+            diff,
+            left,
+            right,
+            scale,
+            softcap,
+            HAS_LEFT,
+            HAS_RIGHT,
+            SOFTCAP,
+            DOT_PREC,
+            DOT_F32,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, DOT_F32)
+        m_i = m_new
+
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]  # rows that saw no key: acc == 0 -> out 0
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    row_ok = rows < lq
+    tl.store(
+        O + q_tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok,
+    )
+    tl.store(LSE + h * stride_lh + q_tok, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_delta_kernel(
+    O,
+    DO,
+    DELTA,
+    total,
+    stride_ot,
+    stride_oh,
+    stride_dt,
+    stride_dh,
+    stride_lh,
+    head_dim,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # DELTA (H, total_q) fp32 = rowsum(dO * O)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    t64 = toks.to(tl.int64)
+    mask = (toks[:, None] < total) & (offs_d[None, :] < head_dim)
+    o = tl.load(
+        O + t64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0
+    )
+    do = tl.load(
+        DO + t64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=mask, other=0.0
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h * stride_lh + t64, delta, mask=toks < total)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    CU_Q,
+    CU_K,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_lh,
+    scale,
+    softcap,
+    left,
+    right,
+    head_dim,
+    GROUP: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # q/dO share strides; k/v/dk/dv share strides (contiguous); lse/delta are (H, total_q).
+    start_n = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(1)
+    kh = tl.program_id(2)
+    k0 = tl.load(CU_K + b)
+    lk = tl.load(CU_K + b + 1) - k0
+    if start_n >= lk:
+        return
+    q0 = tl.load(CU_Q + b)
+    lq = tl.load(CU_Q + b + 1) - q0
+    diff = lk - lq
+
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < head_dim
+    kv_off = (k0 + cols).to(tl.int64)[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
+    kv_mask = (cols[:, None] < lk) & d_ok
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    # (empty loops when lq == 0 or no query sees this block: dk/dv rows are stored as zeros)
+    lo, hi = _query_range(start_n, lq, lk, diff, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    for g in range(GROUP):  # the query heads sharing this kv head: summed here, no atomics
+        h = kh * GROUP + g
+        for start_m in range(lo, hi, BLOCK_M):
+            rows = start_m + offs_m
+            row_ok = rows < lq
+            q_tok = (q0 + rows).to(tl.int64)
+            q_off = q_tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
+            lse = tl.load(LSE + h * stride_lh + q_tok, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + h * stride_lh + q_tok, mask=row_ok, other=0.0)
+            s, t = _scores(
+                q,
+                k,
+                rows,
+                cols,
+                lq,
+                lk,
+                diff,
+                left,
+                right,
+                scale,
+                softcap,
+                HAS_LEFT,
+                HAS_RIGHT,
+                SOFTCAP,
+                DOT_PREC,
+                DOT_F32,
+            )
+            # a row with lse == -inf sees no key: all its s are -inf, so p == 0 with lse -> 0
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+            p = tl.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N) probabilities
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_PREC, DOT_F32)
+            dp = _dot(do, tl.trans(v), DOT_PREC, DOT_F32)
+            ds = p * (dp - delta[:, None])  # d loss / d (capped, scaled) score
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PREC, DOT_F32)
+
+    dk = dk * scale
+    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    CU_Q,
+    CU_K,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_lh,
+    scale,
+    softcap,
+    left,
+    right,
+    head_dim,
+    GROUP: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # q/dO/dQ share strides; k/v share strides (contiguous); lse/delta are (H, total_q).
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q0 = tl.load(CU_Q + b)
+    lq = tl.load(CU_Q + b + 1) - q0
+    if start_m >= lq:
+        return
+    k0 = tl.load(CU_K + b)
+    lk = tl.load(CU_K + b + 1) - k0
+    diff = lk - lq
+    kh = h // GROUP
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < head_dim
+    row_ok = rows < lq
+    q_tok = (q0 + rows).to(tl.int64)
+    q_off = q_tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
+    do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
+    lse = tl.load(LSE + h * stride_lh + q_tok, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + h * stride_lh + q_tok, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    lo, hi = _key_range(start_m, lq, lk, diff, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_off = (k0 + cols).to(tl.int64)[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
+        kv_mask = (cols[:, None] < lk) & d_ok
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        s, t = _scores(
+            q,
+            k,
+            rows,
+            cols,
+            lq,
+            lk,
+            diff,
+            left,
+            right,
+            scale,
+            softcap,
+            HAS_LEFT,
+            HAS_RIGHT,
+            SOFTCAP,
+            DOT_PREC,
+            DOT_F32,
+        )
+        p = tl.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), DOT_PREC, DOT_F32)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += _dot(ds.to(k.dtype), k, DOT_PREC, DOT_F32)
+
+    dq = dq * scale
+    tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+# ----------------------------------------------------------------------------- host side
+def _block_sizes(head_dim: int, dtype: torch.dtype, backward: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a padded head dim (rule in the module
+    docstring). Untuned starting points for Hopper/Ampere; the interpreter always gets 16 x 16."""
+    if _interpreting():
+        return 16, 16, 1, 1
+    block_d = _block_d(head_dim)
+    if not backward:
+        bm, bn = (128, 64) if block_d <= 128 else (64, 32)
+    else:
+        bm, bn = (64, 64) if block_d <= 64 else (32, 32)
+    if dtype == torch.float32 and block_d >= 128:
+        bm, bn = max(bm // 2, 16), max(bn // 2, 16)
+    warps = 4 if block_d <= 64 and bm <= 64 else 8 if block_d >= 128 else 4
+    stages = 2 if backward or block_d >= 128 else 3
+    return bm, bn, warps, stages
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _launch(kernel, grid_fn, args, meta, blocks):
+    """Launch ``kernel``; on a shared-memory overflow halve the blocks (down to 16) and retry."""
+    bm, bn, warps, stages = blocks
+    while True:
+        try:
+            kernel[grid_fn(bm, bn)](
+                *args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages
+            )
+            return
+        except OutOfResources:
+            if bm == 16 and bn == 16 and stages == 1:
+                raise
+            bm, bn, stages = max(bm // 2, 16), max(bn // 2, 16), 1
+
+
+def _mask_meta(causal: bool, window_size: tuple[int, int]) -> tuple[int, int, bool, bool]:
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    return max(left, 0), max(right, 0), left >= 0, right >= 0
+
+
+def varlen_attention_triton_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+):
+    """Forward kernel launch. Inputs as in :func:`triton_varlen_attention` (contiguous).
+
+    Returns ``(out, lse)``: out ``(total_q, H, D)`` in q's dtype, lse ``(H, total_q)`` fp32.
+    """
+    del max_seqlen_k  # key loops are bounded per sequence inside the kernel
+    total_q, heads, dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0:
+        return out, lse
+    left, right, has_left, has_right = _mask_meta(causal, window_size)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        float(softmax_scale),
+        float(softcap),
+        left,
+        right,
+        dim,
+    )
+    meta = dict(
+        GROUP=heads // k.shape[1],
+        HAS_LEFT=has_left,
+        HAS_RIGHT=has_right,
+        SOFTCAP=softcap > 0,
+        **_dot_meta(q.dtype),
+        BLOCK_D=_block_d(dim),
+    )
+    _launch(
+        _fwd_kernel,
+        lambda bm, bn: (triton.cdiv(max_seqlen_q, bm), batch, heads),
+        args,
+        meta,
+        _block_sizes(dim, q.dtype, backward=False),
+    )
+    return out, lse
+
+
+def varlen_attention_triton_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+):
+    """Backward kernel launches: ``(dq, dk, dv)`` in the dtypes/shapes of q, k, v.
+
+    ``dout`` ``(total_q, H, D)`` is the gradient of ``out``; ``lse`` the forward's ``(H, total_q)``.
+    """
+    total_q, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if batch == 0 or total_q == 0 or k.shape[0] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    block_d = _block_d(dim)
+    delta = torch.empty_like(lse)
+    block_t = 16 if _interpreting() else 64
+    _bwd_delta_kernel[(triton.cdiv(total_q, block_t), heads)](
+        out,
+        dout,
+        delta,
+        total_q,
+        out.stride(0),
+        out.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+        delta.stride(0),
+        dim,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+    )
+
+    left, right, has_left, has_right = _mask_meta(causal, window_size)
+    common = (
+        cu_seqlens_q,
+        cu_seqlens_k,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        lse.stride(0),
+        float(softmax_scale),
+        float(softcap),
+        left,
+        right,
+        dim,
+    )
+    meta = dict(
+        GROUP=heads // kv_heads,
+        HAS_LEFT=has_left,
+        HAS_RIGHT=has_right,
+        SOFTCAP=softcap > 0,
+        **_dot_meta(q.dtype),
+        BLOCK_D=block_d,
+    )
+    blocks = _block_sizes(dim, q.dtype, backward=True)
+    _launch(
+        _bwd_dkdv_kernel,
+        lambda bm, bn: (triton.cdiv(max_seqlen_k, bn), batch, kv_heads),
+        (q, k, v, dout, lse, delta, dk, dv, *common),
+        meta,
+        blocks,
+    )
+    _launch(
+        _bwd_dq_kernel,
+        lambda bm, bn: (triton.cdiv(max_seqlen_q, bm), batch, heads),
+        (q, k, v, dout, lse, delta, dq, *common),
+        meta,
+        blocks,
+    )
+    # rows/keys of sequences the grids never reach (only when lengths exceed max_seqlen_*,
+    # which the public API rejects) would stay uninitialised; the grids cover every token.
+    return dq, dk, dv
+
+
+def _dot_meta(dtype: torch.dtype) -> dict:
+    # fp32 inputs: exact fp32 products (the GPU default would be TF32)
+    f32 = dtype == torch.bfloat16 and _interpreting()
+    return dict(DOT_PREC="ieee" if dtype == torch.float32 or f32 else "tf32", DOT_F32=f32)
+
+
+class VarlenAttentionTriton(torch.autograd.Function):
+    """Autograd wrapper: differentiable in q, k, v through ``out``; lse is not differentiable."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+    ):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        out, lse = varlen_attention_triton_forward(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        del dlse  # lse is marked non-differentiable
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = varlen_attention_triton_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params
+        )
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def triton_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention with Triton kernels (called by ``varlen_attention(backend="triton")``).
+
+    The caller has validated shapes and ``cu_seqlens`` (see ``varlen_attention``).
+
+    Args:
+        q: ``(total_q, H, D)`` fp32/fp16/bf16, ``D <= 256``.
+        k, v: ``(total_k, KVH, D)``, same dtype; ``H % KVH == 0`` (query head ``h`` reads kv head
+            ``h // (H // KVH)``).
+        cu_seqlens_q, cu_seqlens_k: int32/int64 ``(batch + 1,)`` prefix sums of the lengths.
+        max_seqlen_q, max_seqlen_k: the longest query / key sequence (grid sizes).
+        softmax_scale: multiplies ``q @ k^T`` before softcap and masking.
+        causal: bottom-right aligned causal mask (forces the window's right side to 0).
+        window_size: ``(left, right)``, -1 = unbounded on that side.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+
+    Returns:
+        ``(out, lse)``: out ``(total_q, H, D)`` in q's dtype (0 for a query that sees no key),
+        lse ``(H, total_q)`` fp32 natural-log log-sum-exp (``-inf`` for such a query).
+    """
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"backend='triton' needs fp32/fp16/bf16 tensors, got {q.dtype}")
+    if not q.is_cuda and not _interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+            f"triton is imported), got q on {q.device}"
+        )
+    return VarlenAttentionTriton.apply(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        float(softmax_scale),
+        bool(causal),
+        (int(window_size[0]), int(window_size[1])),
+        float(softcap),
+    )
