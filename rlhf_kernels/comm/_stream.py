@@ -1,0 +1,104 @@
+"""Raw-byte transfer of tensor lists through fixed, reused staging buffers.
+
+The payload of a micro-batch is one flat byte stream: tensor ``j`` occupies
+``[offsets[j], offsets[j] + nbytes[j])`` with 16-byte aligned offsets. It moves in pieces of at
+most ``piece_bytes``; the sender packs each piece into one of two staging buffers (double
+buffering: piece ``k + 1`` is packed while piece ``k`` is in flight), the receiver writes straight
+into the flat buffer it hands out, so no side ever holds the whole payload twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._wire import ALIGN, align
+
+
+def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Aligned stream offsets of ``tensors`` and the stream length."""
+    offsets, pos = [], 0
+    for t in tensors:
+        offsets.append(pos)
+        pos += align(t.numel() * t.element_size())
+    return offsets, pos
+
+
+def piece_size(max_chunk_bytes: int) -> int:
+    return max(ALIGN, max_chunk_bytes - max_chunk_bytes % ALIGN)
+
+
+def view_tensor(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The tensor of ``dtype``/``shape`` stored at byte ``offset`` of the uint8 ``flat``."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype, device=flat.device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return flat[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class Sender:
+    """Packs tensor pieces into two reused staging buffers and issues async sends.
+
+    ``send_fn(buf) -> Work`` issues one async transfer of ``buf`` (a broadcast or an isend).
+    """
+
+    def __init__(self, piece_bytes: int, device: torch.device):
+        self.piece_bytes, self.device = piece_bytes, device
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.works: list[list] = [[], []]
+        self.k = 0
+
+    def _slot(self, nbytes: int) -> torch.Tensor:
+        slot = self.k % 2
+        for w in self.works[slot]:  # the buffer is reused: its last transfer must be done
+            w.wait()
+        self.works[slot] = []
+        buf = self.bufs[slot]
+        if buf is None or buf.numel() < nbytes:  # grows up to piece_bytes, then stays
+            size = min(self.piece_bytes, max(nbytes, 2 * (0 if buf is None else buf.numel())))
+            buf = self.bufs[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return buf
+
+    @torch.no_grad()
+    def send(self, tensors: list[torch.Tensor], offsets: list[int], total: int, send_fns) -> None:
+        """Send the stream made of ``tensors`` once through every function of ``send_fns``."""
+        contiguous: dict[int, torch.Tensor] = {}  # tensors split across pieces, made flat once
+        for start in range(0, total, self.piece_bytes):
+            stop = min(total, start + self.piece_bytes)
+            buf = self._slot(stop - start)
+            for j, (t, off) in enumerate(zip(tensors, offsets)):
+                n = t.numel() * t.element_size()
+                lo, hi = max(off, start), min(off + n, stop)
+                if lo >= hi:
+                    continue
+                if lo == off and hi == off + n:  # whole tensor in this piece: strided copy
+                    view_tensor(buf, off - start, t.dtype, t.shape).copy_(t)
+                else:
+                    if j not in contiguous:
+                        contiguous[j] = t.contiguous().reshape(-1).view(torch.uint8)
+                    buf[lo - start : hi - start].copy_(contiguous[j][lo - off : hi - off])
+                    if hi == off + n:
+                        del contiguous[j]
+            piece = buf[: stop - start]
+            self.works[self.k % 2] = [fn(piece) for fn in send_fns]
+            self.k += 1
+
+    def wait(self) -> None:
+        for slot in (0, 1):
+            for w in self.works[slot]:
+                w.wait()
+            self.works[slot] = []
+
+
+def recv_into(flat: torch.Tensor, piece_bytes: int, recv_fn) -> list:
+    """Issue async receives of ``flat`` (uint8) in ``piece_bytes`` pieces; returns the works."""
+    return [
+        recv_fn(flat[start : start + piece_bytes]) for start in range(0, flat.numel(), piece_bytes)
+    ]
+
+
+def bcast_fn(gsrc: int, group):
+    return lambda buf: dist.broadcast(buf, src=gsrc, group=group, async_op=True)

@@ -1,0 +1,164 @@
+"""Wire format shared by the chunked senders and receivers.
+
+A stream is: one handshake (``all_gather`` of every rank's argument fingerprint), then per
+micro-batch a fixed control word, a pickled description (metadata and tensor layout only, never
+tensor data) and the raw tensor bytes. Tensors sit in a flat byte stream at 16-byte aligned
+offsets, so a receiver can view them in place without a staging copy.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MAGIC = 0x524C484B  # "RLHK"
+ALIGN = 16  # largest element size of a torch dtype (complex128)
+MIN_CHUNK_BYTES = 1024
+META_LIMIT = 16 << 20  # pickled metadata per micro-batch; tensors belong in tensors
+
+# control word: [MAGIC, status, n_samples, payload_bytes, meta_bytes, seq]
+BATCH, END, ERROR, ABORT = 0, 1, 2, 3
+CONTROL_LEN = 6
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def comm_device(group) -> torch.device:
+    """Where collective buffers live: the current CUDA device for NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def global_rank(group, rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def fingerprint(text: str) -> int:
+    return zlib.crc32(text.encode())  # stable across processes, unlike hash()
+
+
+def handshake(fields: dict[str, int], local_error: str | None, *, group, device, who: str) -> None:
+    """All-gather every rank's argument fingerprint; raise the same error on every rank when
+    the ranks disagree or any rank was called with bad arguments."""
+    names = list(fields)
+    mine = torch.tensor(
+        [MAGIC, int(local_error is None)] + [fields[n] for n in names], dtype=torch.int64
+    )
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
+    dist.all_gather(gathered, mine.to(device), group=group)
+    rows = [g.tolist() for g in gathered]
+    if local_error is not None:
+        raise ValueError(local_error)
+    bad = [r for r, row in enumerate(rows) if row[1] != 1 or row[0] != MAGIC]
+    if bad:
+        raise ValueError(
+            f"{who}: rank(s) {bad} of the group were called with invalid arguments "
+            "(their own error says which)"
+        )
+    for i, name in enumerate(names):
+        values = [row[2 + i] for row in rows]
+        if len(set(values)) > 1:
+            raise ValueError(
+                f"{who}: every rank must pass the same {name}, got "
+                f"{dict(enumerate(values))} (rank: value)"
+            )
+
+
+def tensor_nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def check_tensor(t: torch.Tensor, where: str) -> None:
+    if t.layout != torch.strided or t.is_quantized:
+        raise TypeError(
+            f"{where} must be a dense strided tensor, got layout {t.layout}"
+            f"{' (quantized)' if t.is_quantized else ''}"
+        )
+
+
+def micro_batches(samples: Iterable, budget, max_chunk_bytes: int) -> Iterator[list]:
+    """Greedy in-order split of ``samples`` into lists whose ``budget(sample)`` sum stays
+    within ``max_chunk_bytes``; a sample over the budget forms a micro-batch alone."""
+    batch, used = [], 0
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, Mapping):
+            raise TypeError(f"samples[{i}] must be a dict, got {type(sample).__name__}")
+        size = budget(sample, i)
+        if batch and used + size > max_chunk_bytes:
+            yield batch
+            batch, used = [], 0
+        batch.append(sample)
+        used += size
+    if batch:
+        yield batch
+
+
+def dumps_meta(obj: Any, who: str) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) > META_LIMIT:
+        raise ValueError(
+            f"{who}: the non-tensor metadata of one micro-batch pickles to "
+            f"{len(data)} bytes, over the {META_LIMIT}-byte limit; send large "
+            "fields as tensors (or lower max_chunk_bytes)"
+        )
+    return data
+
+
+class Header:
+    """Sends and receives the control word plus pickled description of each micro-batch."""
+
+    def __init__(self, *, src: int, group, device, timeout: float | None):
+        self.src, self.group, self.device = src, group, device
+        self.gsrc = global_rank(group, src)
+        self.timeout = None if timeout is None else timedelta(seconds=timeout)
+        self.seq = 0
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        work = dist.broadcast(t, src=self.gsrc, group=self.group, async_op=True)
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
+
+    def send(self, status: int, meta: Any = None) -> None:
+        self.send_raw(status, b"" if meta is None else dumps_meta(meta, "header"))
+
+    def send_raw(self, status: int, data: bytes, n: int = 0, payload: int = 0) -> None:
+        """Control word, then ``data`` (already pickled by ``dumps_meta``) if not empty."""
+        ctrl = [MAGIC, status, n, payload, len(data), self.seq]
+        self._bcast(torch.tensor(ctrl, dtype=torch.int64, device=self.device))
+        if data:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            self._bcast(buf)
+        self.seq += 1
+
+    def recv(self, who: str) -> tuple[int, int, int, Any]:
+        ctrl = torch.empty(CONTROL_LEN, dtype=torch.int64, device=self.device)
+        self._bcast(ctrl)
+        magic, status, n, payload, meta_len, seq = ctrl.tolist()
+        if magic != MAGIC or seq != self.seq:
+            raise RuntimeError(
+                f"{who}: stream out of step (magic {magic:#x}, micro-batch "
+                f"{seq}, expected {self.seq}); did every rank call it in the "
+                "same order with the same src?"
+            )
+        meta = None
+        if meta_len:
+            buf = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
+            self._bcast(buf)
+            meta = pickle.loads(buf.cpu().numpy().tobytes())
+        self.seq += 1
+        return status, n, payload, meta
