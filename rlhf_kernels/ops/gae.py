@@ -1,0 +1,278 @@
+"""GAE and discounted returns as one segmented reverse linear scan.
+
+Both are ``y[t] = x[t] + c[t] * y[t + 1]`` along time, with ``c = 0`` at the last token of each
+sequence (so the value after a sequence's end is 0):
+
+- GAE: ``x = r[t] + gamma * v[t + 1] - v[t]`` (``v[t + 1] = 0`` at a sequence end),
+  ``c = gamma * lam``; returns ``= advantages + v``.
+- discounted returns: ``x = r``, ``c = gamma``.
+
+Layouts: packed 1-D ``(N,)`` with ``cu_seqlens`` (sequences are contiguous runs), or padded
+``(B, T)`` with a mask; the padded form reproduces the classic reversed-time loop exactly (rewards
+and values zeroed outside the mask, the recurrence runs over the full row).
+
+Backends for the scan ``(B, T) -> (B, T)``: ``native`` (C++ CPU / CUDA op from csrc/, when
+``rlhf_kernels._C`` is built), ``triton`` (one program per row, an associative scan per block and
+a carry between blocks), ``torch`` (Hillis-Steele: log2(T) vectorised steps). The scan is
+differentiable (its adjoint is the same scan run forward in time).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from rlhf_kernels._checks import check_cu_seqlens, check_same_device
+
+BACKENDS = ("auto", "native", "triton", "torch")
+
+try:  # registers torch.ops.rlhf_kernels.reverse_scan
+    importlib.import_module("rlhf_kernels._C")
+    _HAS_NATIVE = hasattr(torch.ops.rlhf_kernels, "reverse_scan")
+except (ImportError, OSError):
+    _HAS_NATIVE = False
+
+if _HAS_NATIVE:
+
+    @torch.library.register_fake("rlhf_kernels::reverse_scan")
+    def _reverse_scan_fake(x, coef):
+        return torch.empty_like(x)
+
+
+def _native_supports(device: torch.device) -> bool:
+    if not _HAS_NATIVE:
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "rlhf_kernels::reverse_scan", "CUDA"
+    )
+
+
+# ----------------------------------------------------------------------------- torch fallback
+def reverse_scan_torch(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``y[:, t] = x[:, t] + coef[:, t] * y[:, t + 1]`` by log-depth doubling; x, coef ``(B, T)``.
+
+    After step ``d`` each position holds the affine map of the next ``2d`` positions composed,
+    ``y[t] = a[t] + b[t] * y[t + 2d]`` (positions past the end contribute 0).
+    """
+    a, b = x, coef
+    T = x.shape[-1]
+    d = 1
+    while d < T:
+        a = torch.cat([a[:, :-d] + b[:, :-d] * a[:, d:], a[:, -d:]], dim=1)
+        b = torch.cat([b[:, :-d] * b[:, d:], torch.zeros_like(b[:, -d:])], dim=1)
+        d *= 2
+    return a
+
+
+def reverse_scan_loop(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """Readable reference: the reversed-time loop (tests and benchmarks only)."""
+    y = torch.empty_like(x)
+    carry = torch.zeros_like(x[:, 0])
+    for t in reversed(range(x.shape[1])):
+        carry = x[:, t] + coef[:, t] * carry
+        y[:, t] = carry
+    return y
+
+
+# ----------------------------------------------------------------------------- triton kernel
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional; the torch and native backends still work
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _compose(a_prev, b_prev, a_cur, b_cur):
+        # prev = map of the later positions, cur = this position: y = a_cur + b_cur * y_next
+        return a_cur + b_cur * a_prev, b_cur * b_prev
+
+    @triton.jit
+    def _reverse_scan_kernel(x_ptr, c_ptr, y_ptr, T, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = row.to(tl.int64) * T
+        idx = tl.arange(0, BLOCK)
+        carry = tl.sum(tl.zeros((BLOCK,), dtype=tl.float32), axis=0)
+        for start in range(0, T, BLOCK):
+            # walk the row backwards: position j of this block is time T - 1 - start - j
+            t = T - 1 - start - idx
+            ok = t >= 0
+            x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
+            c = tl.load(c_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
+            a, b = tl.associative_scan((x, c), 0, _compose)
+            y = a + b * carry
+            tl.store(y_ptr + base + t, y.to(y_ptr.dtype.element_ty), mask=ok)
+            carry = tl.sum(tl.where(idx == BLOCK - 1, y, 0.0), axis=0)
+
+
+def reverse_scan_triton(x: torch.Tensor, coef: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Triton scan (fp32 carry), x, coef ``(B, T)`` float32. Needs CUDA or TRITON_INTERPRET=1."""
+    x, coef = x.contiguous(), coef.contiguous()
+    y = torch.empty_like(x)
+    B, T = x.shape
+    if B and T:
+        blk = min(block, triton.next_power_of_2(T))
+        _reverse_scan_kernel[(B,)](x, coef, y, T, BLOCK=blk)
+    return y
+
+
+# ----------------------------------------------------------------------------- dispatch + autograd
+def _pick_backend(backend: str, x: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if _native_supports(x.device):
+            return "native"
+        if x.device.type == "cuda" and x.dtype == torch.float32 and triton is not None:
+            return "triton"
+        return "torch"
+    if backend == "native" and not _native_supports(x.device):
+        raise ValueError(f"backend='native' needs rlhf_kernels._C built for {x.device.type}")
+    if backend == "triton" and triton is None:
+        raise ValueError("backend='triton' needs the triton package, which is not installed")
+    if backend == "triton" and x.dtype != torch.float32:
+        raise ValueError(f"backend='triton' supports float32 only, got {x.dtype}")
+    return backend
+
+
+def _scan(x: torch.Tensor, coef: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "native":
+        return torch.ops.rlhf_kernels.reverse_scan(x.contiguous(), coef.contiguous())
+    if backend == "triton":
+        return reverse_scan_triton(x, coef)
+    return reverse_scan_torch(x, coef)
+
+
+class _ReverseScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, coef, backend):
+        y = _scan(x, coef, backend)
+        ctx.save_for_backward(coef, y)
+        ctx.backend = backend
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        coef, y = ctx.saved_tensors
+        # adjoint: gx[t] = gy[t] + coef[t - 1] * gx[t - 1], a forward scan = reverse scan of flips
+        shifted = torch.cat([torch.zeros_like(coef[:, :1]), coef[:, :-1]], dim=1)
+        gx = _scan(gy.flip(1).contiguous(), shifted.flip(1).contiguous(), ctx.backend).flip(1)
+        y_next = torch.cat([y[:, 1:], torch.zeros_like(y[:, :1])], dim=1)
+        return gx, gx * y_next, None
+
+
+def reverse_scan(x: torch.Tensor, coef: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Segmented reverse linear scan ``y[:, t] = x[:, t] + coef[:, t] * y[:, t + 1]``.
+
+    Args:
+        x, coef: ``(B, T)`` float tensors of one dtype and device; ``coef == 0`` ends a segment.
+        backend: ``"auto"`` (native op, else Triton on CUDA, else torch) or one backend by name.
+    Returns: ``y`` ``(B, T)`` in x's dtype (half precisions are computed in float32).
+    """
+    b = _pick_backend(backend, x)
+    return _ReverseScan.apply(x, coef, b)
+
+
+# ----------------------------------------------------------------------------- layouts
+_SCAN_DTYPES = (torch.float32, torch.float64)
+
+
+def _prepare(name_tensors, cu_seqlens, mask):
+    """Validate inputs; return (2-D float tensors, is_last (B, T) bool, out_shape, out_dtype)."""
+    (n0, t0), *rest = name_tensors
+    for n, t in name_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{n} must be a float tensor, got {t.dtype}")
+    for n, t in rest:
+        if t.shape != t0.shape:
+            raise ValueError(f"{n} must have {n0}'s shape {tuple(t0.shape)}, got {tuple(t.shape)}")
+    check_same_device(**dict(name_tensors), cu_seqlens=cu_seqlens, mask=mask)
+    if mask is not None and mask.shape != t0.shape:
+        raise ValueError(f"mask must have {n0}'s shape {tuple(t0.shape)}, got {tuple(mask.shape)}")
+    if cu_seqlens is not None:
+        if t0.dim() != 1:
+            raise ValueError(
+                f"with cu_seqlens, {n0} must be packed 1-D (N,), got shape {tuple(t0.shape)}"
+            )
+        cu = check_cu_seqlens(cu_seqlens, t0.shape[0])
+        is_last = torch.zeros(1, t0.shape[0], dtype=torch.bool, device=t0.device)
+        ends = [e - 1 for s, e in zip(cu[:-1], cu[1:]) if e > s]
+        is_last[0, ends] = True
+    elif mask is not None:
+        if t0.dim() != 2:
+            raise ValueError(
+                f"with mask, {n0} must be padded 2-D (B, T), got shape {tuple(t0.shape)}"
+            )
+        is_last = torch.zeros(t0.shape, dtype=torch.bool, device=t0.device)
+        is_last[:, -1] = True
+    else:
+        raise ValueError(
+            "give either cu_seqlens (packed 1-D layout) or mask (padded (B, T) layout); got neither"
+        )
+    out_dtype = t0.dtype
+    work = out_dtype if out_dtype in _SCAN_DTYPES else torch.float32
+    ts = [t.to(work).reshape(is_last.shape) for _, t in name_tensors]
+    if mask is not None:
+        m = mask.reshape(is_last.shape).to(work)
+        ts = [t * m for t in ts]
+    return ts, is_last, t0.shape, out_dtype
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    cu_seqlens: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over packed or padded sequences.
+
+    Args:
+        rewards: per-token rewards, packed ``(N,)`` (with ``cu_seqlens``) or padded ``(B, T)``
+            (with ``mask``); any float dtype.
+        values: critic values, same shape/dtype/device as ``rewards``.
+        gamma: discount factor. lam: GAE lambda.
+        cu_seqlens: int32/int64 ``(S + 1,)`` boundaries of the packed sequences, ending at ``N``.
+        mask: ``(N,)`` or ``(B, T)`` 0/1 (bool or numeric) token mask; rewards and values are
+            zeroed where it is 0. Required for the padded layout, optional for the packed one.
+        backend: scan backend, ``"auto"``, ``"native"``, ``"triton"`` or ``"torch"``.
+    Returns:
+        ``(advantages, returns)`` in rewards' shape and dtype; ``returns = advantages + values``
+        (values masked). The value after the last token of each sequence is 0. Differentiable.
+    """
+    (r, v), is_last, shape, dtype = _prepare(
+        [("rewards", rewards), ("values", values)], cu_seqlens, mask
+    )
+    v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1).masked_fill(is_last, 0.0)
+    delta = r + gamma * v_next - v
+    coef = torch.full_like(delta, gamma * lam).masked_fill(is_last, 0.0)
+    adv = reverse_scan(delta, coef, backend)
+    ret = adv + v
+    return adv.reshape(shape).to(dtype), ret.reshape(shape).to(dtype)
+
+
+def discounted_returns(
+    rewards: torch.Tensor,
+    *,
+    gamma: float,
+    cu_seqlens: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """REINFORCE returns ``G[t] = r[t] + gamma * G[t + 1]`` per sequence (``G`` after the end = 0).
+
+    Args: as :func:`gae` (``rewards`` packed ``(N,)`` with ``cu_seqlens`` or padded ``(B, T)``
+    with ``mask``). Returns: ``G`` in rewards' shape and dtype. Differentiable.
+    """
+    (r,), is_last, shape, dtype = _prepare([("rewards", rewards)], cu_seqlens, mask)
+    coef = torch.full_like(r, gamma).masked_fill(is_last, 0.0)
+    return reverse_scan(r, coef, backend).reshape(shape).to(dtype)
