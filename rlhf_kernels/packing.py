@@ -1,0 +1,305 @@
+"""Sample packing: many token sequences in one stream, and token-budget micro-batch planning.
+
+A packed batch concatenates ``n`` samples into one stream of ``T = sum(l_i)`` tokens. Sample ``i``
+owns rows ``cu_seqlens[i]:cu_seqlens[i + 1]``; position ids restart at 0 for each sample (right for
+RoPE models, wrong for learned absolute position embeddings). Attention over the stream goes
+through ``varlen_attention`` with ``cu_seqlens``, so no sample sees another.
+
+Labels never cross a boundary: ``shifted_labels`` puts ``ignore_index`` at each sample's last token
+(it has no next token in its own sample); ``causal_lm_labels`` gives the unshifted form that
+transformers' causal-LM loss shifts itself, with ``ignore_index`` at each sample's first token.
+
+``plan_micro_batches`` splits samples into micro-batches that fit a token budget (best-fit
+decreasing) and, across data-parallel groups, gives every group the same number of micro-batches
+with balanced token totals (greedy largest-first assignment, then pairwise sample swaps).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------- packed batch
+@dataclass
+class PackedBatch:
+    """``n`` samples concatenated into one stream of ``T`` tokens.
+
+    Attributes:
+        input_ids: ``(T,)`` the concatenated tokens (dtype of the inputs).
+        position_ids: ``(T,)`` int64, restarting at 0 at each sample.
+        cu_seqlens: ``(n + 1,)`` int32, ``[0, l0, l0 + l1, ..., T]``.
+        max_seqlen: length of the longest sample.
+        seq_lens: the ``n`` sample lengths.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    seq_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.seq_lens))
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Pack other per-token tensors (labels, loss masks, advantages) the same way.
+
+        Args:
+            tensors: ``n`` tensors; tensor ``i`` has shape ``(seq_lens[i], *rest)``.
+        Returns: ``(T, *rest)``.
+        """
+        if len(tensors) != len(self.seq_lens):
+            raise ValueError(
+                f"tensors must hold one tensor per sample ({len(self.seq_lens)}), "
+                f"got {len(tensors)}"
+            )
+        for i, (t, n) in enumerate(zip(tensors, self.seq_lens)):
+            t = torch.as_tensor(t)
+            if t.dim() < 1 or t.shape[0] != n:
+                raise ValueError(
+                    f"tensors[{i}] must have first dim {n} (length of sample {i}), "
+                    f"got shape {tuple(t.shape)}"
+                )
+        return torch.cat([torch.as_tensor(t) for t in tensors], 0)
+
+    def unpack(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Split ``x`` of shape ``(T, *rest)`` (or ``(1, T, *rest)``) into per-sample views."""
+        if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == self.num_tokens:
+            x = x[0]
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"x must have first dim equal to the packed length {self.num_tokens}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        return list(torch.split(x, self.seq_lens, dim=0))
+
+    def shifted_labels(
+        self, loss_mask: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
+    ) -> torch.Tensor:
+        """Next-token targets: ``out[t] = input_ids[t + 1]`` inside a sample, else ``ignore_index``.
+
+        Args:
+            loss_mask: optional packed ``(T,)`` mask; ``loss_mask[t] == 0`` means token ``t`` is not
+                a target (e.g. a prompt token), so ``out[t - 1] = ignore_index``.
+        Returns: ``(T,)`` int64; each sample's last position is always ``ignore_index``.
+        """
+        ids = self.input_ids.long()
+        out = torch.full_like(ids, ignore_index)
+        out[:-1] = ids[1:]
+        target_ok = _target_mask(self, loss_mask)  # (T,) True where token t may be a target
+        keep = torch.zeros_like(target_ok)
+        keep[:-1] = target_ok[1:]
+        keep[self.cu_seqlens[1:].long() - 1] = False  # last token of each sample: nothing follows
+        return out.masked_fill(~keep, ignore_index)
+
+    def causal_lm_labels(
+        self, loss_mask: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
+    ) -> torch.Tensor:
+        """Unshifted labels for transformers' causal-LM loss (which shifts by one itself).
+
+        ``out[t] = input_ids[t]`` except ``ignore_index`` at each sample's first token (after
+        the model's shift it would be the target of the previous sample's last token) and where
+        ``loss_mask[t] == 0``. Returns ``(T,)`` int64.
+        """
+        keep = _target_mask(self, loss_mask).clone()
+        keep[self.cu_seqlens[:-1].long()] = False
+        return self.input_ids.long().masked_fill(~keep, ignore_index)
+
+
+def _target_mask(packed: PackedBatch, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    total = packed.num_tokens
+    if loss_mask is None:
+        return torch.ones(total, dtype=torch.bool, device=packed.input_ids.device)
+    if not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (total,):
+        shape = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask)
+        raise ValueError(f"loss_mask must be a ({total},) tensor (the packed length), got {shape}")
+    return loss_mask.to(packed.input_ids.device) != 0
+
+
+def pack_sequences(seqs: Sequence[torch.Tensor]) -> PackedBatch:
+    """Concatenate 1-D token tensors into a :class:`PackedBatch`.
+
+    Args:
+        seqs: non-empty list of 1-D integer tensors (or lists of ints), each of length >= 1, all
+            on one device.
+    """
+    if len(seqs) == 0:
+        raise ValueError("seqs must hold at least one sequence, got an empty list")
+    seqs = [torch.as_tensor(s) for s in seqs]
+    for i, s in enumerate(seqs):
+        if s.dim() != 1 or s.numel() == 0:
+            raise ValueError(
+                f"seqs[{i}] must be a non-empty 1-D tensor, got shape {tuple(s.shape)}"
+            )
+        if s.is_floating_point() or s.is_complex():
+            raise TypeError(f"seqs[{i}] must hold integer token ids, got {s.dtype}")
+        if s.device != seqs[0].device:
+            raise ValueError(
+                f"all seqs must be on one device, seqs[0] is on {seqs[0].device} "
+                f"and seqs[{i}] on {s.device}"
+            )
+    device = seqs[0].device
+    lens = [int(s.numel()) for s in seqs]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+    starts = torch.repeat_interleave(
+        cu_seqlens[:-1].long(), torch.tensor(lens, device=device)
+    )  # (T,)
+    position_ids = torch.arange(cu[-1], device=device) - starts
+    return PackedBatch(torch.cat(seqs), position_ids, cu_seqlens, max(lens), lens)
+
+
+# ----------------------------------------------------------------------------- planning
+def _check_plan_args(lengths, max_tokens, num_groups) -> list[int]:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
+    lens = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+    for i, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"lengths[{i}] must be >= 0, got {n}")
+        if n > max_tokens:
+            raise ValueError(
+                f"sample {i} has {n} tokens, more than max_tokens={max_tokens}; "
+                f"truncate it or raise the budget"
+            )
+    return lens
+
+
+def _best_fit_decreasing(order: list[int], lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Each sample (longest first) goes to the fullest micro-batch that still has room."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    free_sorted: list[tuple[int, int]] = []  # (free tokens, bin id), ascending
+    for i in order:
+        n = lens[i]
+        pos = bisect.bisect_left(free_sorted, (n, -1))
+        if pos < len(free_sorted):
+            free, b = free_sorted.pop(pos)
+            bins[b].append(i)
+            loads[b] += n
+            bisect.insort(free_sorted, (free - n, b))
+        else:
+            bins.append([i])
+            loads.append(n)
+            bisect.insort(free_sorted, (max_tokens - n, len(bins) - 1))
+    return bins
+
+
+def _split_bin(b: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
+    """Split a micro-batch into two with balanced tokens (largest first to the lighter half)."""
+    halves: tuple[list[int], list[int]] = ([], [])
+    loads = [0, 0]
+    for i in sorted(b, key=lambda j: -lens[j]):
+        h = 0 if loads[0] <= loads[1] else 1
+        halves[h].append(i)
+        loads[h] += lens[i]
+    return halves
+
+
+def _balance_groups(bins, lens, num_groups, max_tokens) -> list[list[list[int]]]:
+    """Assign micro-batches to groups (same count each), then swap samples to even out tokens."""
+    per_group = len(bins) // num_groups
+    groups: list[list[list[int]]] = [[] for _ in range(num_groups)]
+    totals = [0] * num_groups
+    for b in sorted(bins, key=lambda b: -sum(lens[i] for i in b)):  # largest first (LPT)
+        g = min(
+            (g for g in range(num_groups) if len(groups[g]) < per_group), key=lambda g: totals[g]
+        )
+        groups[g].append(b)
+        totals[g] += sum(lens[i] for i in b)
+    # refinement: move or swap one sample between a micro-batch of the heaviest group and one of the
+    # lightest group when that narrows their gap and fits the budget; repeat until nothing helps
+    for _ in range(10 * len(lens) + 10):
+        hi = max(range(num_groups), key=lambda g: totals[g])
+        lo = min(range(num_groups), key=lambda g: totals[g])
+        gap = totals[hi] - totals[lo]
+        if gap <= 1 or not _improve_pair(
+            groups[hi], groups[lo], lens, gap, max_tokens, totals, hi, lo
+        ):
+            break
+    return groups
+
+
+def _improve_pair(heavy, light, lens, gap, max_tokens, totals, hi, lo) -> bool:
+    """One best move/swap of a sample from ``heavy`` to ``light`` (in place). True if improved."""
+    best = None  # (new |gap|, heavy bin, light bin, sample from heavy, sample from light or None)
+    for bh in heavy:
+        for bl in light:
+            load_h, load_l = sum(lens[i] for i in bh), sum(lens[i] for i in bl)
+            for a in bh:
+                if len(bh) > 1 and load_l + lens[a] <= max_tokens:  # move a
+                    d = abs(gap - 2 * lens[a])
+                    if d < gap and (best is None or d < best[0]):
+                        best = (d, bh, bl, a, None)
+                for c in bl:  # swap a <-> c
+                    delta = lens[a] - lens[c]
+                    if delta <= 0 or load_l + delta > max_tokens or load_h - delta > max_tokens:
+                        continue
+                    d = abs(gap - 2 * delta)
+                    if d < gap and (best is None or d < best[0]):
+                        best = (d, bh, bl, a, c)
+    if best is None:
+        return False
+    _, bh, bl, a, c = best
+    bh.remove(a)
+    bl.append(a)
+    moved = lens[a]
+    if c is not None:
+        bl.remove(c)
+        bh.append(c)
+        moved -= lens[c]
+    totals[hi] -= moved
+    totals[lo] += moved
+    return True
+
+
+def plan_micro_batches(
+    lengths: Sequence[int] | torch.Tensor, max_tokens: int, num_groups: int = 1
+) -> list[list[list[int]]]:
+    """Split samples into micro-batches of at most ``max_tokens`` tokens, per data-parallel group.
+
+    Uses as few micro-batches as best-fit decreasing finds (the lower bound is
+    ``ceil(sum(lengths) / max_tokens)``). With ``num_groups > 1`` the micro-batch count is rounded
+    up to a multiple of ``num_groups`` (by splitting the fullest micro-batches), every group gets
+    the same number of micro-batches (so ranks step together), and token totals per group are
+    balanced.
+
+    Args:
+        lengths: token count of each sample (ints >= 0), e.g. ``[len(s) for s in samples]``.
+        max_tokens: token budget of one micro-batch (> 0). A longer sample is a ValueError.
+        num_groups: number of data-parallel groups (ranks), >= 1.
+
+    Returns:
+        ``plan[g][m]`` = sorted sample indices of micro-batch ``m`` of group ``g``. Every index
+        appears exactly once; ``len(plan[g])`` is the same for every group. With one group,
+        ``plan[0]`` is the list of micro-batches. A group may get an empty micro-batch only when
+        there are fewer samples than ``num_groups``.
+    """
+    lens = _check_plan_args(lengths, max_tokens, num_groups)
+    if not lens:
+        return [[] for _ in range(num_groups)]
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    bins = _best_fit_decreasing(order, lens, max_tokens)
+    target = max(num_groups, math.ceil(len(bins) / num_groups) * num_groups)
+    while len(bins) < target:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            bins.append([])  # fewer samples than groups: nothing left to split
+            continue
+        b = max(splittable, key=lambda b: sum(lens[i] for i in b))
+        bins.remove(b)
+        bins.extend(_split_bin(b, lens))
+    groups = _balance_groups(bins, lens, num_groups, max_tokens) if num_groups > 1 else [bins]
+    return [[sorted(b) for b in g] for g in groups]

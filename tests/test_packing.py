@@ -1,0 +1,181 @@
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rlhf_kernels
+from rlhf_kernels.packing import PackedBatch, pack_sequences, plan_micro_batches
+
+LENS = [5, 1, 17, 3]
+
+
+def _samples(lens=LENS, vocab=50):
+    return [torch.randint(0, vocab, (n,)) for n in lens]
+
+
+# ----------------------------------------------------------------------------- pack_sequences
+def test_pack_fields_and_unpack_roundtrip():
+    seqs = _samples()
+    p = pack_sequences(seqs)
+    assert isinstance(p, PackedBatch) and rlhf_kernels.PackedBatch is PackedBatch
+    assert torch.equal(p.input_ids, torch.cat(seqs))
+    assert p.cu_seqlens.dtype == torch.int32
+    assert p.cu_seqlens.tolist() == [0, 5, 6, 23, 26]
+    assert p.max_seqlen == 17 and p.seq_lens == LENS and p.num_tokens == 26
+    assert torch.equal(p.position_ids, torch.cat([torch.arange(n) for n in LENS]))
+    for a, b in zip(p.unpack(p.input_ids), seqs):
+        assert torch.equal(a, b)
+    hidden = torch.randn(1, 26, 3)  # (1, T, hidden) as a model returns it
+    pieces = p.unpack(hidden)
+    assert [x.shape for x in pieces] == [(n, 3) for n in LENS]
+    assert torch.equal(torch.cat(pieces), hidden[0])
+
+
+def test_pack_other_per_token_tensors():
+    p = pack_sequences(_samples())
+    adv = [torch.randn(n, 2) for n in LENS]
+    packed = p.pack(adv)
+    assert packed.shape == (26, 2)
+    for a, b in zip(p.unpack(packed), adv):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"tensors\[2\] must have first dim 17"):
+        p.pack([torch.zeros(n) for n in [5, 1, 16, 3]])
+    with pytest.raises(ValueError, match="one tensor per sample"):
+        p.pack(adv[:2])
+    with pytest.raises(ValueError, match="packed length 26"):
+        p.unpack(torch.zeros(25))
+
+
+def test_pack_sequences_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least one"):
+        pack_sequences([])
+    with pytest.raises(ValueError, match=r"seqs\[1\] must be a non-empty 1-D"):
+        pack_sequences([torch.ones(3, dtype=torch.long), torch.ones(2, 2, dtype=torch.long)])
+    with pytest.raises(ValueError, match=r"seqs\[0\] must be a non-empty"):
+        pack_sequences([torch.ones(0, dtype=torch.long)])
+    with pytest.raises(TypeError, match="integer token ids"):
+        pack_sequences([torch.ones(3)])
+
+
+# ----------------------------------------------------------------------------- labels
+def _reference_shifted(seqs, masks):
+    out = []
+    for s, m in zip(seqs, masks):
+        lab = torch.full_like(s, -100)
+        for t in range(len(s) - 1):
+            if m[t + 1]:
+                lab[t] = s[t + 1]
+        out.append(lab)
+    return torch.cat(out)
+
+
+def test_shifted_labels_never_cross_boundaries():
+    seqs = _samples()
+    p = pack_sequences(seqs)
+    ones = [torch.ones(n, dtype=torch.bool) for n in LENS]
+    assert torch.equal(p.shifted_labels(), _reference_shifted(seqs, ones))
+    masks = [torch.rand(n) > 0.4 for n in LENS]
+    got = p.shifted_labels(p.pack(masks).int())
+    assert torch.equal(got, _reference_shifted(seqs, masks))
+    assert (got[p.cu_seqlens[1:].long() - 1] == -100).all()
+    with pytest.raises(ValueError, match=r"loss_mask must be a \(26,\) tensor"):
+        p.shifted_labels(torch.ones(25))
+
+
+def test_causal_lm_labels_match_per_sample_loss():
+    """Packed logits + transformers-style shifted loss == the per-sample losses summed."""
+    seqs = _samples(vocab=11)
+    p = pack_sequences(seqs)
+    masks = [torch.rand(n) > 0.3 for n in LENS]
+    logits = torch.randn(p.num_tokens, 11, dtype=torch.float64)
+    labels = p.causal_lm_labels(p.pack(masks))
+    shifted = F.pad(labels, (0, 1), value=-100)[1:]  # what transformers' loss does
+    assert torch.equal(shifted, p.shifted_labels(p.pack(masks)))
+    packed_loss = F.cross_entropy(logits, shifted, ignore_index=-100, reduction="sum")
+    ref = 0.0
+    for lg, s, m in zip(p.unpack(logits), seqs, masks):
+        tgt = s[1:].masked_fill(~m[1:], -100)
+        if len(s) > 1:
+            ref = ref + F.cross_entropy(lg[:-1], tgt, ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(packed_loss, torch.as_tensor(ref, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- planning
+BUDGET = 4096
+
+
+def _lengths(kind, rng, n=300):
+    if kind == "uniform_half":
+        return [rng.randint(1, BUDGET // 2) for _ in range(n)]
+    if kind == "uniform_full":
+        return [rng.randint(1, BUDGET) for _ in range(n)]
+    if kind == "lognormal":
+        return [min(BUDGET, max(1, int(rng.lognormvariate(6, 1)))) for _ in range(n)]
+    if kind == "exponential":
+        return [min(BUDGET, max(1, int(rng.expovariate(1 / 800)))) for _ in range(n)]
+    # bimodal: 30% long answers (> budget / 2: each needs its own micro-batch)
+    return [
+        rng.randint(2200, 4000) if rng.random() < 0.3 else rng.randint(10, 400) for _ in range(n)
+    ]
+
+
+def _check_cover(plan, lens, budget):
+    seen = sorted(i for g in plan for b in g for i in b)
+    assert seen == list(range(len(lens))), "every index exactly once"
+    for g in plan:
+        for b in g:
+            assert sum(lens[i] for i in b) <= budget
+
+
+@pytest.mark.parametrize(
+    "kind", ["uniform_half", "uniform_full", "lognormal", "exponential", "bimodal"]
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plan_within_5_percent_of_lower_bound(kind, seed):
+    lens = _lengths(kind, random.Random(seed))
+    plan = plan_micro_batches(lens, BUDGET)
+    assert len(plan) == 1
+    _check_cover(plan, lens, BUDGET)
+    # ceil(sum / budget); samples longer than half the budget can never share, so the bound is
+    # also at least their count (only binding for the bimodal lengths)
+    lower = max(math.ceil(sum(lens) / BUDGET), sum(n > BUDGET // 2 for n in lens))
+    assert len(plan[0]) <= math.floor(1.05 * lower), (len(plan[0]), lower)
+
+
+@pytest.mark.parametrize("num_groups", [2, 3, 8])
+@pytest.mark.parametrize("kind", ["uniform_half", "lognormal", "bimodal"])
+def test_plan_groups_equal_counts_balanced_tokens(kind, num_groups):
+    lens = _lengths(kind, random.Random(num_groups))
+    plan = plan_micro_batches(lens, BUDGET, num_groups=num_groups)
+    assert len(plan) == num_groups
+    _check_cover(plan, lens, BUDGET)
+    counts = {len(g) for g in plan}
+    assert len(counts) == 1, counts
+    single = len(plan_micro_batches(lens, BUDGET)[0])
+    assert counts.pop() == math.ceil(single / num_groups)  # no more than rounding up needs
+    totals = [sum(lens[i] for b in g for i in b) for g in plan]
+    assert max(totals) / (sum(totals) / num_groups) - 1 <= 0.01, totals
+
+
+def test_plan_small_and_edge_cases():
+    assert plan_micro_batches([], 10) == [[]]
+    assert plan_micro_batches([3, 4, 3], 10) == [[[0, 1, 2]]]
+    assert plan_micro_batches(torch.tensor([6, 5, 4, 5]), 10) == [[[0, 2], [1, 3]]]
+    plan = plan_micro_batches([7, 2], 10, num_groups=3)  # fewer samples than groups
+    _check_cover(plan, [7, 2], 10)
+    assert [len(g) for g in plan] == [1, 1, 1]
+    plan = plan_micro_batches([2, 2, 2, 2], 100, num_groups=2)  # one micro-batch split in two
+    assert sorted(sum(len(b) for b in g) for g in plan) == [2, 2]
+
+
+def test_plan_validates_input():
+    with pytest.raises(ValueError, match="sample 1 has 11 tokens, more than max_tokens=10"):
+        plan_micro_batches([3, 11], 10)
+    with pytest.raises(ValueError, match="max_tokens must be a positive int, got 0"):
+        plan_micro_batches([3], 0)
+    with pytest.raises(ValueError, match=r"lengths\[0\] must be >= 0, got -1"):
+        plan_micro_batches([-1], 10)
+    with pytest.raises(ValueError, match="num_groups must be an int >= 1, got 0"):
+        plan_micro_batches([1], 10, num_groups=0)
