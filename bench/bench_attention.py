@@ -1,0 +1,330 @@
+"""Varlen (packed) causal attention: our backends against their peers on the SAME packed batch.
+
+Groups ``attention-<mode>-<case>``; mode ``fwd`` or ``fwd_bwd`` (forward, then backward of a
+fixed random output gradient). Methods:
+
+- ``varlen_torch`` / ``varlen_triton`` / ``varlen_flash_attn``: ``varlen_attention(backend=...)``
+  (Triton and flash-attn only on CUDA: the Triton interpreter is not a performance path).
+- ``sdpa_loop``: one ``scaled_dot_product_attention(is_causal=True)`` call per sample.
+- ``sdpa_padded``: the samples padded to the longest one, ``(B, H, L, D)``, causal + key-padding
+  bool mask (padding is done once outside the timed region, as a padded model would).
+- ``sdpa_dense_mask``: the whole pack as one sequence with a block-diagonal causal bool mask
+  (the ``T x T`` mask is built outside the timed region).
+- ``flex_doc_mask``: compiled ``flex_attention`` with a document-causal ``BlockMask`` (built
+  outside the timed region; its build time is in ``extra_info``). Forward only on CPU.
+- CUDA only: ``sdpa_flash_loop`` (per-sample SDPA forced to the flash backend) and
+  ``torch_varlen_attn`` (``torch.nn.attention.varlen``).
+
+Every method's output (and, for fwd_bwd, the query gradient) is checked against the torch
+backend before timing, so the thing measured is the thing verified. ``extra_info`` holds the
+shape, the useful causal FLOPs (``4 * sum(l^2) / 2 * heads * head_dim``, x2.5 for fwd_bwd),
+achieved TFLOP/s at the median, and on CUDA the peak memory.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhf_kernels.ops.varlen_attention import varlen_attention
+
+HEAD_DIM = 64
+METHODS = (
+    "varlen_torch",
+    "varlen_triton",
+    "varlen_flash_attn",
+    "sdpa_loop",
+    "sdpa_flash_loop",
+    "torch_varlen_attn",
+    "sdpa_padded",
+    "sdpa_dense_mask",
+    "flex_doc_mask",
+)
+MODES = ("fwd", "fwd_bwd")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    lengths: tuple[int, ...]
+    heads: int
+    kv_heads: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+
+def uneven_lengths(total: int, lo: int, hi: int, seed: int = 0) -> tuple[int, ...]:
+    """Lengths drawn uniformly in ``[lo, hi]`` until they sum to ``total`` (last one trimmed)."""
+    rng, out = random.Random(seed), []
+    while sum(out) < total:
+        out.append(min(rng.randint(lo, hi), total - sum(out)))
+    return tuple(out)
+
+
+def cases(quick: bool) -> list[Case]:
+    n, seq, total, lo, hi = (4, 128, 1024, 16, 256) if quick else (16, 512, 8192, 32, 1024)
+    return [
+        Case(f"uniform{n}x{seq}", (seq,) * n, 8, 8),
+        Case(f"uniform{n}x{seq}-gqa8to2", (seq,) * n, 8, 2),
+        Case(f"uneven{total // 1024}k", uneven_lengths(total, lo, hi), 8, 8),
+    ]
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        from bench.conftest import is_quick
+
+        cs = cases(is_quick(metafunc.config))
+        metafunc.parametrize("case", cs, ids=[c.name for c in cs], scope="module")
+
+
+def causal_flops(lengths, heads: int, dim: int, mode: str) -> float:
+    """Useful (unmasked) causal FLOPs: two matmuls of 2*l*l*d each, half of them masked."""
+    fwd = 4.0 * sum(x * x for x in lengths) / 2 * heads * dim
+    return fwd * (2.5 if mode == "fwd_bwd" else 1.0)
+
+
+# ----------------------------------------------------------------------------- shared batch
+_BATCHES: dict = {}
+
+
+def packed_batch(case: Case, device: torch.device, dtype: torch.dtype) -> dict:
+    """One packed batch per case (shared by every method) plus the torch backend's answers."""
+    key = (case, device.type, dtype)
+    if key not in _BATCHES:
+        g = torch.Generator().manual_seed(1234)
+        t, h, kvh = case.total, case.heads, case.kv_heads
+        q = torch.randn(t, h, HEAD_DIM, generator=g).to(device, dtype)
+        k = torch.randn(t, kvh, HEAD_DIM, generator=g).to(device, dtype)
+        v = torch.randn(t, kvh, HEAD_DIM, generator=g).to(device, dtype)
+        dout = torch.randn(t, h, HEAD_DIM, generator=g).to(device, dtype)
+        cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = cu.to(device)
+        # ground truth: torch backend in fp32
+        qr, kr, vr = (x.float().requires_grad_() for x in (q, k, v))
+        out = varlen_attention(qr, kr, vr, cu, cu, causal=True, backend="torch")
+        out.backward(dout.float())
+        _BATCHES[key] = dict(q=q, k=k, v=v, dout=dout, cu=cu, ref_out=out.detach(), ref_dq=qr.grad)
+    return _BATCHES[key]
+
+
+# ----------------------------------------------------------------------------- methods
+class Skip(Exception):
+    pass
+
+
+def _leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(grad)
+
+
+def build(method: str, case: Case, batch: dict, mode: str):
+    """Return ``(run, unpack_out, unpack_dq, leaves, dout, extra)``; ``run()`` is the timed
+    forward; ``unpack_*`` map its output / q's gradient back to the packed ``(T, H, D)`` layout."""
+    cuda = batch["q"].is_cuda
+    grad = mode == "fwd_bwd"
+    cu, lengths = batch["cu"], case.lengths
+    cu_list = cu.tolist()
+    gqa = case.heads != case.kv_heads
+    q, k, v = (_leaf(batch[n], grad) for n in ("q", "k", "v"))
+    ident = lambda t: t  # noqa: E731
+    extra: dict = {}
+
+    if method.startswith("varlen_"):
+        backend = method[len("varlen_") :]
+        if backend in ("triton", "flash_attn") and not cuda:
+            raise Skip(
+                f"backend={backend!r} is CUDA-only as a performance path (Triton runs "
+                "under the interpreter on CPU)"
+            )
+        if backend == "flash_attn":
+            import importlib.util
+
+            if importlib.util.find_spec("flash_attn") is None:
+                raise Skip("flash-attn is not installed")
+        maxlen = max(lengths)
+
+        def run():
+            return varlen_attention(q, k, v, cu, cu, maxlen, maxlen, causal=True, backend=backend)
+
+        return run, ident, ident, (q, k, v), batch["dout"], extra
+
+    if method in ("sdpa_loop", "sdpa_flash_loop"):
+        if method == "sdpa_flash_loop" and not cuda:
+            raise Skip("the SDPA flash backend is CUDA-only")
+
+        def loop():
+            outs = []
+            for a, b in zip(cu_list[:-1], cu_list[1:]):
+                qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                outs.append(o[0].transpose(0, 1))
+            return torch.cat(outs, 0)
+
+        run = loop
+        if method == "sdpa_flash_loop":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def run():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return loop()
+
+        return run, ident, ident, (q, k, v), batch["dout"], extra
+
+    if method == "torch_varlen_attn":
+        if not cuda:
+            raise Skip("torch.nn.attention.varlen is CUDA-only")
+        from torch.nn.attention.varlen import varlen_attn
+
+        maxlen = max(lengths)
+
+        def run():
+            return varlen_attn(q, k, v, cu, cu, maxlen, maxlen, window_size=(-1, 0), enable_gqa=gqa)
+
+        return run, ident, ident, (q, k, v), batch["dout"], extra
+
+    # token t of the pack sits at (sample b_idx[t], position i_idx[t])
+    b_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    i_idx = torch.arange(case.total) - torch.tensor(cu_list[:-1]).repeat_interleave(
+        torch.tensor(lengths)
+    )
+    b_idx, i_idx = b_idx.to(q.device), i_idx.to(q.device)
+
+    if method == "sdpa_padded":
+        n, L = len(lengths), max(lengths)
+
+        def pad(x):  # (T, h, D) -> (B, h, L, D)
+            out = x.new_zeros(n, L, x.shape[1], x.shape[2])
+            out[b_idx, i_idx] = x.detach()
+            return out.transpose(1, 2).contiguous().requires_grad_(grad)
+
+        qp, kp, vp = pad(q), pad(k), pad(v)
+        pos = torch.arange(L, device=q.device)
+        valid = pos[None, :] < torch.tensor(lengths, device=q.device)[:, None]  # (B, L) keys
+        mask = (pos[None, :, None] >= pos[None, None, :]) & valid[:, None, :]  # (B, Lq, Lk)
+        mask = mask.unsqueeze(1)  # (B, 1, L, L)
+        dout = pad(batch["dout"]).detach()
+        extra["padded_tokens"] = n * L
+
+        def run():
+            return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
+
+        def unpack(t):
+            return t.transpose(1, 2)[b_idx, i_idx]
+
+        return run, unpack, unpack, (qp, kp, vp), dout, extra
+
+    if method == "sdpa_dense_mask":
+        tok = torch.arange(case.total, device=q.device)
+        mask = (b_idx[:, None] == b_idx[None, :]) & (tok[:, None] >= tok[None, :])  # (T, T)
+
+        def run():
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+            return o[0].transpose(0, 1)
+
+        return run, ident, ident, (q, k, v), batch["dout"], extra
+
+    if method == "flex_doc_mask":
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError as e:
+            raise Skip(f"flex_attention unavailable: {e}") from e
+        if grad and not cuda:
+            raise Skip(
+                "compiled flex_attention has no backward on CPU (torch "
+                f"{torch.__version__}: 'FlexAttention does not support backward on CPU')"
+            )
+        doc = b_idx
+
+        def doc_causal(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (ki <= qi)
+
+        t0 = time.perf_counter()
+        block_mask = create_block_mask(
+            doc_causal, None, None, case.total, case.total, device=q.device.type
+        )
+        extra["block_mask_build_s"] = time.perf_counter() - t0
+        flex = torch.compile(flex_attention, dynamic=False)
+
+        def run():
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            o = flex(qs, ks, vs, block_mask=block_mask, enable_gqa=gqa)
+            return o[0].transpose(0, 1)
+
+        return run, ident, ident, (q, k, v), batch["dout"], extra
+
+    raise ValueError(f"unknown method {method!r}")
+
+
+# ----------------------------------------------------------------------------- benchmark
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+def test_varlen_attention(benchmark, case, mode, method, device, sync):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch = packed_batch(case, device, dtype)
+    try:
+        run, unpack_out, unpack_dq, leaves, dout, extra = build(method, case, batch, mode)
+    except Skip as e:
+        pytest.skip(str(e))
+
+    def step():
+        if mode == "fwd":
+            with torch.no_grad():
+                out = run()
+        else:
+            for t in leaves:
+                t.grad = None
+            out = run()
+            out.backward(dout)
+        sync()
+        return out
+
+    # warm-up (compiles flex, fills caches) and verification against the torch backend
+    t0 = time.perf_counter()
+    try:
+        out = step()
+    except (RuntimeError, NotImplementedError) as e:
+        if method == "flex_doc_mask" or method == "torch_varlen_attn":
+            pytest.skip(f"{method} does not run here: {type(e).__name__}: {str(e)[:200]}")
+        raise
+    extra["first_call_s"] = time.perf_counter() - t0
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-4
+    torch.testing.assert_close(
+        unpack_out(out.detach()).float(), batch["ref_out"], atol=tol, rtol=tol
+    )
+    if mode == "fwd_bwd":
+        dq = unpack_dq(leaves[0].grad).float()
+        torch.testing.assert_close(dq, batch["ref_dq"], atol=5 * tol, rtol=5 * tol)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    benchmark.group = f"attention-{mode}-{case.name}"
+    benchmark(step)
+
+    flops = causal_flops(case.lengths, case.heads, HEAD_DIM, mode)
+    extra.update(
+        label=method,
+        method=method,
+        mode=mode,
+        case=case.name,
+        samples=len(case.lengths),
+        tokens=case.total,
+        max_len=max(case.lengths),
+        heads=case.heads,
+        kv_heads=case.kv_heads,
+        head_dim=HEAD_DIM,
+        dtype=str(dtype).replace("torch.", ""),
+        device=device.type,
+        causal_flops=flops,
+        tflops_per_s=flops / benchmark.stats.stats.median / 1e12,
+    )
+    if device.type == "cuda":
+        extra["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
+    benchmark.extra_info.update(extra)

@@ -1,0 +1,240 @@
+"""Turn a pytest-benchmark JSON into one results JSON and one PNG plot per benchmark group.
+
+Usage::
+
+    python bench/report.py [--raw bench/results/latest-raw.json] [--out-dir bench/results]
+                           [--tag TAG] [--date YYYY-MM-DD] [--no-plot]
+
+Writes ``<out-dir>/<group>-<machine-tag>-<date>.json`` and ``.png`` for every group found.
+The machine tag is ``cpu`` without a GPU, else the GPU name in lower case (``h100-80gb-hbm3``).
+Each results JSON holds: machine (CPU model, cores, GPU), library versions, rlhf_kernels version
+and git commit, date, and per benchmark its name, params, mean/median/stddev/min/max (seconds),
+rounds and ``extra_info``. A benchmark may set ``extra_info["label"]`` to name its bar.
+
+``collect_machine_info`` is also used by ``bench/conftest.py`` to stamp the raw JSON at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RAW = ROOT / "bench" / "results" / "latest-raw.json"
+DEFAULT_OUT = ROOT / "bench" / "results"
+# distribution names whose versions go into every report (None when not installed)
+VERSIONED = {
+    "torch": "torch",
+    "triton": "triton",
+    "transformers": "transformers",
+    "flash_attn": "flash-attn",
+    "ring_flash_attn": "ring-flash-attn",
+    "deepspeed": "deepspeed",
+    "pytest_benchmark": "pytest-benchmark",
+    "rlhf_kernels": "rlhf-kernels",
+}
+STAT_KEYS = ("mean", "median", "stddev", "min", "max", "rounds", "iterations")
+
+
+# ----------------------------------------------------------------------------- machine info
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        res = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def collect_machine_info() -> dict:
+    """Describe this machine and software: a flat dict, JSON-serialisable."""
+    import torch
+
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    info = {
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpus[0] if gpus else None,
+        "gpu_count": len(gpus),
+        "versions": {key: _version(dist) for key, dist in VERSIONED.items()},
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    }
+    if info["versions"]["rlhf_kernels"] is None:
+        try:
+            import rlhf_kernels
+
+            info["versions"]["rlhf_kernels"] = rlhf_kernels.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def machine_tag(info: dict) -> str:
+    """``cpu`` without a GPU, else a file-name-safe GPU name (``NVIDIA H100 80GB HBM3`` ->
+    ``h100-80gb-hbm3``)."""
+    gpu = info.get("gpu")
+    if not gpu:
+        return "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return re.sub(r"^nvidia-", "", slug) or "gpu"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", name).strip("_") or "ungrouped"
+
+
+# ----------------------------------------------------------------------------- reports
+def build_reports(raw: dict, date: str | None = None) -> dict[str, dict]:
+    """Group the benchmarks of a pytest-benchmark JSON: ``{group: report dict}``."""
+    info = dict(raw.get("machine_info") or {})
+    if "cpu_model" not in info:  # raw JSON not stamped by bench/conftest.py
+        info.update(collect_machine_info())
+    commit = raw.get("commit_info") or {}
+    if date is None:
+        stamp = raw.get("datetime")
+        date = stamp[:10] if stamp else _dt.date.today().isoformat()
+    versions = dict(info.get("versions") or {})
+    header = {
+        "machine": {
+            "tag": machine_tag(info),
+            "cpu_model": info.get("cpu_model"),
+            "cpu_cores": info.get("cpu_cores"),
+            "torch_threads": info.get("torch_threads"),
+            "gpu": info.get("gpu"),
+            "gpu_count": info.get("gpu_count", 0),
+            "python": info.get("python_version") or platform.python_version(),
+        },
+        "versions": versions,
+        "rlhf_kernels": {
+            "version": versions.get("rlhf_kernels"),
+            "git_commit": info.get("git_commit") or commit.get("id"),
+            "git_dirty": info.get("git_dirty", commit.get("dirty")),
+        },
+        "date": date,
+        "datetime": raw.get("datetime"),
+        "bench_quick": bool(info.get("bench_quick", False)),
+    }
+    reports: dict[str, dict] = {}
+    for b in raw.get("benchmarks", []):
+        group = b.get("group") or "ungrouped"
+        rep = reports.setdefault(group, {"group": group, **header, "benchmarks": []})
+        stats = b.get("stats") or {}
+        rep["benchmarks"].append(
+            {
+                "name": b.get("name"),
+                "fullname": b.get("fullname"),
+                "params": b.get("params"),
+                "param": b.get("param"),
+                **{k: stats.get(k) for k in STAT_KEYS},
+                "unit": "s",
+                "extra_info": b.get("extra_info") or {},
+            }
+        )
+    return reports
+
+
+def _label(b: dict) -> str:
+    extra = b.get("extra_info") or {}
+    if extra.get("label"):
+        return str(extra["label"])
+    return b.get("param") or re.sub(r"^test_", "", b.get("name") or "?")
+
+
+def plot_group(report: dict, path: Path) -> None:
+    """Horizontal bars: median time per call, whiskers +- one standard deviation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [b for b in report["benchmarks"] if b.get("median") is not None]
+    medians = [b["median"] for b in rows]
+    top = max(medians, default=1.0)
+    scale, unit = (1.0, "s") if top >= 1 else (1e3, "ms") if top >= 1e-3 else (1e6, "µs")
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * max(len(rows), 1)))
+    ys = range(len(rows))
+    vals = [m * scale for m in medians]
+    errs = [(b.get("stddev") or 0.0) * scale for b in rows]
+    ax.barh(list(ys), vals, xerr=errs, color="tab:blue", alpha=0.8, capsize=3)
+    ax.set_yticks(list(ys), [_label(b) for b in rows], fontsize=8)
+    ax.invert_yaxis()
+    for y, v in zip(ys, vals):
+        ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+    ax.set_xlabel(f"median time per call ({unit}); whiskers: ±1 std")
+    m = report["machine"]
+    where = m["gpu"] or f"{m['cpu_model']} ({m['cpu_cores']} cores)"
+    ax.set_title(f"{report['group']}  |  {where}  |  {report['date']}", fontsize=9)
+    ax.margins(x=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(
+    reports: dict[str, dict], out_dir: Path, tag: str | None = None, plot: bool = True
+) -> list[Path]:
+    """Write ``<group>-<tag>-<date>.json`` (+ ``.png``) per group; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for group, rep in sorted(reports.items()):
+        stem = f"{_safe(group)}-{tag or rep['machine']['tag']}-{rep['date']}"
+        path = out_dir / f"{stem}.json"
+        path.write_text(json.dumps(rep, indent=2, sort_keys=False) + "\n")
+        written.append(path)
+        if plot:
+            plot_group(rep, out_dir / f"{stem}.png")
+            written.append(out_dir / f"{stem}.png")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--raw", type=Path, default=DEFAULT_RAW, help="pytest-benchmark JSON")
+    ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--tag", default=None, help="machine tag (default: cpu or the GPU name)")
+    ap.add_argument("--date", default=None, help="YYYY-MM-DD (default: the run's date)")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.raw.is_file():
+        print(f"report.py: no raw benchmark JSON at {args.raw}", file=sys.stderr)
+        return 1
+    raw = json.loads(args.raw.read_text())
+    reports = build_reports(raw, args.date)
+    if not reports:
+        print(f"report.py: {args.raw} holds no benchmarks", file=sys.stderr)
+        return 1
+    for path in write_reports(reports, args.out_dir, args.tag, plot=not args.no_plot):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
