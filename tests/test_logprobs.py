@@ -1,0 +1,108 @@
+import pytest
+import torch
+
+from rlhf_kernels import logprobs_from_logits
+from rlhf_kernels.ops import logprobs as lp_mod
+from rlhf_kernels.ops.logprobs import logprobs_reference
+
+BACKENDS = ["torch", "triton"]
+
+
+def _run(logits, labels, tau, backend, w_lp, w_ent):
+    x = logits.detach().clone().requires_grad_()
+    logp, ent = logprobs_from_logits(x, labels, tau, return_entropy=True, backend=backend)
+    ((logp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    return logp, ent, x.grad
+
+
+def _ref(logits, labels, tau, w_lp, w_ent):
+    x = logits.detach().double().requires_grad_()
+    logp, ent = logprobs_reference(x, labels, tau)
+    ((logp * w_lp.double()).sum() + (ent * w_ent.double()).sum()).backward()
+    return logp, ent, x.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_fp32_matches_float64(backend, tau, monkeypatch):
+    monkeypatch.setattr(lp_mod, "_CHUNK_ELEMS", 20 * 1003)  # several row chunks (67 rows)
+    logits = torch.randn(67, 1003) * 3
+    labels = torch.randint(0, 1003, (67,))
+    w_lp, w_ent = torch.randn(67), torch.randn(67)
+    out = _run(logits, labels, tau, backend, w_lp, w_ent)
+    ref = _ref(logits, labels, tau, w_lp, w_ent)
+    assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o.double(), r, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_and_logp_only(backend):
+    logits = torch.randn(3, 5, 31)
+    labels = torch.randint(0, 31, (3, 5))
+    x = logits.clone().requires_grad_()
+    logp = logprobs_from_logits(x, labels, backend=backend)
+    assert logp.shape == (3, 5)
+    logp.sum().backward()
+    xr = logits.double().requires_grad_()
+    ref, _ = logprobs_reference(xr, labels)
+    ref.sum().backward()
+    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_twice_torch(backend, dtype):
+    logits = (torch.randn(47, 1003) * 2).to(dtype)
+    labels = torch.randint(0, 1003, (47,))
+    w_lp, w_ent = torch.randn(47), torch.randn(47)
+    out = _run(logits, labels, 1.0, backend, w_lp, w_ent)
+    ref = _ref(logits, labels, 1.0, w_lp, w_ent)  # exact math on the same rounded inputs
+    # plain torch in this dtype: log_softmax on the low-precision logits
+    xt = logits.clone().requires_grad_()
+    lpt = torch.log_softmax(xt, -1)
+    t_logp = lpt.gather(-1, labels[:, None]).squeeze(-1)
+    t_ent = -(lpt.exp() * lpt).sum(-1)
+    ((t_logp * w_lp.to(dtype)).sum() + (t_ent * w_ent.to(dtype)).sum()).backward()
+    torch_out = (t_logp, t_ent, xt.grad)
+    for o, t, r in zip(out, torch_out, ref):
+        err = (o.double() - r).abs().max()
+        err_torch = (t.double() - r).abs().max()
+        assert err <= 2 * err_torch + 1e-6, (err, err_torch)
+    assert out[2].dtype == dtype
+
+
+def test_float64_path_differentiable():
+    x = torch.randn(7, 13, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 13, (7,))
+    assert torch.autograd.gradcheck(
+        lambda z: logprobs_from_logits(z, labels, 0.9, return_entropy=True), (x,)
+    )
+
+
+def test_only_entropy_used_in_loss():
+    logits = torch.randn(9, 21)
+    labels = torch.randint(0, 21, (9,))
+    x = logits.clone().requires_grad_()
+    _, ent = logprobs_from_logits(x, labels, return_entropy=True)
+    ent.sum().backward()
+    xr = logits.double().requires_grad_()
+    logprobs_reference(xr, labels)[1].sum().backward()
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_bad_input():
+    z = torch.randn(4, 10)
+    with pytest.raises(ValueError, match=r"labels must have shape logits.shape\[:-1\]"):
+        logprobs_from_logits(z, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(TypeError, match="labels must be an int64"):
+        logprobs_from_logits(z, torch.zeros(4))
+    with pytest.raises(TypeError, match="logits must be a float tensor"):
+        logprobs_from_logits(z.long(), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\)"):
+        logprobs_from_logits(z, torch.tensor([0, 1, 10, 2]))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        logprobs_from_logits(z, torch.zeros(4, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        logprobs_from_logits(z, torch.zeros(4, dtype=torch.long), backend="cuda")
