@@ -1,0 +1,164 @@
+"""Cheap checks of the benchmark code: report.py on a fake pytest-benchmark JSON, and the
+attention benchmark's peers on a tiny packed batch (no timing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import bench_attention as ba  # noqa: E402
+from bench import report  # noqa: E402
+from bench.conftest import is_quick  # noqa: E402
+
+
+def _fake_raw(stamped: bool) -> dict:
+    def bench(group, name, median, extra):
+        return {
+            "group": group,
+            "name": name,
+            "fullname": f"bench/bench_x.py::{name}",
+            "params": {"n": 3},
+            "param": "3",
+            "extra_info": extra,
+            "options": {},
+            "stats": {
+                "min": median / 2,
+                "max": median * 2,
+                "mean": median * 1.1,
+                "stddev": median / 10,
+                "rounds": 5,
+                "median": median,
+                "iterations": 1,
+            },
+        }
+
+    machine = {"python_version": "3.11.2", "cpu": {"brand_raw": "Fake CPU"}}
+    if stamped:
+        machine.update(
+            cpu_model="Fake CPU",
+            cpu_cores=2,
+            torch_threads=2,
+            gpu="NVIDIA H100 80GB HBM3",
+            gpu_count=1,
+            versions={"torch": "9.9", "rlhf_kernels": "0.1.0"},
+            git_commit="abc123",
+            git_dirty=False,
+            bench_quick=True,
+        )
+    return {
+        "machine_info": machine,
+        "commit_info": {"id": "fromcommitinfo", "dirty": True},
+        "benchmarks": [
+            bench("g-one", "test_a[3]", 2e-3, {"label": "alpha", "tokens": 10}),
+            bench("g-one", "test_b[3]", 4e-3, {}),
+            bench("g/two", "test_c[3]", 1.5, {"bytes": 7}),
+            bench(None, "test_d", 1e-6, {}),
+        ],
+        "datetime": "2026-01-02T03:04:05.000000+00:00",
+        "version": "5.3.1",
+    }
+
+
+def test_report_groups_stats_and_machine():
+    reps = report.build_reports(_fake_raw(stamped=True))
+    assert sorted(reps) == ["g-one", "g/two", "ungrouped"]
+    one = reps["g-one"]
+    assert one["date"] == "2026-01-02"
+    assert one["machine"]["tag"] == "h100-80gb-hbm3"
+    assert one["machine"]["cpu_model"] == "Fake CPU" and one["machine"]["cpu_cores"] == 2
+    assert one["versions"]["torch"] == "9.9"
+    assert one["rlhf_kernels"] == {"version": "0.1.0", "git_commit": "abc123", "git_dirty": False}
+    assert one["bench_quick"] is True
+    a, b = one["benchmarks"]
+    assert (a["name"], a["median"], a["rounds"], a["params"]) == ("test_a[3]", 2e-3, 5, {"n": 3})
+    assert a["mean"] == pytest.approx(2.2e-3) and a["stddev"] == pytest.approx(2e-4)
+    assert a["extra_info"] == {"label": "alpha", "tokens": 10} and b["extra_info"] == {}
+    assert reps["g/two"]["benchmarks"][0]["extra_info"] == {"bytes": 7}
+
+
+def test_report_unstamped_falls_back_to_this_machine():
+    rep = report.build_reports(_fake_raw(stamped=False), date="2030-05-06")["g-one"]
+    here = report.collect_machine_info()
+    assert rep["date"] == "2030-05-06"
+    assert rep["machine"]["cpu_cores"] == here["cpu_cores"]
+    assert rep["machine"]["tag"] == report.machine_tag(here)
+    assert rep["versions"]["torch"] == here["versions"]["torch"]
+
+
+def test_report_writes_json_and_png(tmp_path):
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps(_fake_raw(stamped=True)))
+    out = tmp_path / "out"
+    assert report.main(["--raw", str(raw), "--out-dir", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    stems = ["g-one", "g_two", "ungrouped"]
+    assert names == sorted(
+        f"{s}-h100-80gb-hbm3-2026-01-02.{e}" for s in stems for e in ("json", "png")
+    )
+    data = json.loads((out / "g-one-h100-80gb-hbm3-2026-01-02.json").read_text())
+    assert [x["name"] for x in data["benchmarks"]] == ["test_a[3]", "test_b[3]"]
+    assert (out / "g_two-h100-80gb-hbm3-2026-01-02.png").read_bytes()[:4] == b"\x89PNG"
+    assert report.main(["--raw", str(tmp_path / "missing.json")]) == 1
+
+
+def test_machine_tag():
+    assert report.machine_tag({"gpu": None}) == "cpu"
+    assert report.machine_tag({"gpu": "NVIDIA H200"}) == "h200"
+    assert report.machine_tag({"gpu": "AMD Instinct MI300X"}) == "amd-instinct-mi300x"
+
+
+def test_quick_flag(monkeypatch):
+    class Cfg:
+        def __init__(self, flag):
+            self.flag = flag
+
+        def getoption(self, name, default=None):
+            return self.flag
+
+    monkeypatch.delenv("RLHF_BENCH_QUICK", raising=False)
+    assert not is_quick(Cfg(False)) and is_quick(Cfg(True))
+    monkeypatch.setenv("RLHF_BENCH_QUICK", "1")
+    assert is_quick(Cfg(False))
+    monkeypatch.setenv("RLHF_BENCH_QUICK", "0")
+    assert not is_quick(Cfg(False))
+
+
+def test_attention_shapes_and_flops():
+    lens = ba.uneven_lengths(8192, 32, 1024)
+    assert sum(lens) == 8192 and max(lens) <= 1024 and min(lens[:-1]) >= 32
+    full = {c.name: c for c in ba.cases(quick=False)}
+    assert full["uniform16x512"].lengths == (512,) * 16
+    assert full["uniform16x512-gqa8to2"].kv_heads == 2
+    # causal: 2 matmuls x 2 flops x l*l*d, half masked -> 2*l*l*d per head
+    assert ba.causal_flops([3, 5], 2, 4, "fwd") == 2 * (9 + 25) * 2 * 4
+    assert ba.causal_flops([3, 5], 2, 4, "fwd_bwd") == 2.5 * ba.causal_flops([3, 5], 2, 4, "fwd")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_peers_agree_on_a_tiny_pack(kv_heads):
+    case = ba.Case("tiny", (5, 17, 1, 9), 4, kv_heads)
+    batch = ba.packed_batch(case, torch.device("cpu"), torch.float32)
+    for method in ("varlen_torch", "sdpa_loop", "sdpa_padded", "sdpa_dense_mask"):
+        run, unpack_out, unpack_dq, leaves, dout, _ = ba.build(method, case, batch, "fwd_bwd")
+        out = run()
+        out.backward(dout)
+        torch.testing.assert_close(unpack_out(out.detach()), batch["ref_out"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(unpack_dq(leaves[0].grad), batch["ref_dq"], atol=1e-4, rtol=1e-4)
+    # the reference itself is the float64 per-sequence math
+    from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
+
+    ref, _ = varlen_attention_reference(
+        *(batch[n].double() for n in "qkv"), batch["cu"], batch["cu"], causal=True
+    )
+    torch.testing.assert_close(batch["ref_out"].double(), ref, atol=1e-5, rtol=1e-5)
+    for method in ("varlen_triton", "varlen_flash_attn", "sdpa_flash_loop", "torch_varlen_attn"):
+        with pytest.raises(ba.Skip, match="CUDA"):
+            ba.build(method, case, batch, "fwd")
