@@ -1,0 +1,121 @@
+import pytest
+import torch
+
+from rlhf_kernels import linear_logprobs
+from rlhf_kernels.ops.linear_logprobs import (
+    _chunk_sizes,
+    linear_logprobs_reference,
+    linear_nll_loss,
+)
+
+T, H, V = 67, 48, 1003
+
+
+def _inputs(dtype=torch.float32, bias=True):
+    h = torch.randn(T, H, dtype=dtype)
+    w = (torch.randn(V, H) / H**0.5).to(dtype)
+    b = (torch.randn(V) * 0.1).to(dtype) if bias else None
+    labels = torch.randint(0, V, (T,))
+    return h, w, b, labels
+
+
+def _grads(fn, h, w, b, w_lp, w_ent):
+    leaves = [t.detach().clone().requires_grad_() for t in (h, w, b) if t is not None]
+    if b is None:
+        leaves.append(None)
+    logp, ent = fn(*leaves)
+    ((logp * w_lp.to(logp.dtype)).sum() + (ent * w_ent.to(ent.dtype)).sum()).backward()
+    return [logp, ent] + [t.grad for t in leaves if t is not None]
+
+
+def _ours(labels, tau, **kw):
+    return lambda h, w, b: linear_logprobs(h, w, labels, b, tau, return_entropy=True, **kw)
+
+
+def _ref(labels, tau):
+    return lambda h, w, b: linear_logprobs_reference(h, w, labels, b, tau)
+
+
+@pytest.mark.parametrize("chunks", [(None, None), (16, 256), (29, 1003), (67, 130)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp32_matches_float64(chunks, bias):
+    h, w, b, labels = _inputs(bias=bias)
+    w_lp, w_ent = torch.randn(T), torch.randn(T)
+    tc, vc = chunks
+    out = _grads(_ours(labels, 0.8, chunk_tokens=tc, chunk_vocab=vc), h, w, b, w_lp, w_ent)
+    ref = _grads(
+        _ref(labels, 0.8), h.double(), w.double(), None if b is None else b.double(), w_lp, w_ent
+    )
+    assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32
+    assert len(out) == len(ref)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o.double(), r, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_within_twice_torch():
+    h, w, b, labels = _inputs(dtype=torch.bfloat16)
+    w_lp, w_ent = torch.randn(T), torch.randn(T)
+    out = _grads(_ours(labels, 1.0, chunk_tokens=16, chunk_vocab=256), h, w, b, w_lp, w_ent)
+    torch_bf16 = _grads(_ref(labels, 1.0), h, w, b, w_lp, w_ent)  # plain torch in bf16
+    ref = _grads(_ref(labels, 1.0), h.double(), w.double(), b.double(), w_lp, w_ent)
+    for i, (o, t, r) in enumerate(zip(out, torch_bf16, ref)):
+        err = (o.double() - r).abs().max()
+        err_torch = (t.double() - r).abs().max()
+        assert err <= 2 * err_torch, (i, err, err_torch)
+    assert out[2].dtype == torch.bfloat16 and out[3].dtype == torch.bfloat16
+
+
+def test_logp_only_and_hidden_only_grad():
+    h, w, _, labels = _inputs(bias=False)
+    hh = h.clone().requires_grad_()
+    logp = linear_logprobs(hh, w, labels, chunk_tokens=20, chunk_vocab=300)
+    assert logp.shape == (T,)
+    logp.sum().backward()
+    hr = h.double().requires_grad_()
+    ref, _ = linear_logprobs_reference(hr, w.double(), labels)
+    ref.sum().backward()
+    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hh.grad.double(), hr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_nll_loss_matches_naive_cross_entropy():
+    h, w, b, labels = _inputs()
+    mask = torch.rand(T) > 0.3
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_nll_loss(hh, ww, labels, mask, bias=b)
+    loss.backward()
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    ce = torch.nn.functional.cross_entropy(hr @ wr.T + b.double(), labels, reduction="none")
+    ref = (ce * mask).sum() / mask.sum()
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hh.grad.double(), hr.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ww.grad.double(), wr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_rule():
+    # block budget max(T*H, 2**22) fp32 elements; dweight accumulator (Vc, H) within it
+    assert _chunk_sizes(4096, 128, 32768) == (128, 32768)
+    tc, vc = _chunk_sizes(32768, 4096, 131072)
+    assert vc * 4096 <= 32768 * 4096 and tc * vc <= 32768 * 4096 and vc % 128 == 0
+    assert _chunk_sizes(5, 8, 11) == (5, 11)
+
+
+def test_bad_input():
+    h, w, b, labels = _inputs()
+    with pytest.raises(ValueError, match="weight must be"):
+        linear_logprobs(h, w[:, :5], labels)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        linear_logprobs(h, w, labels[:5])
+    with pytest.raises(TypeError, match="weight dtype must equal"):
+        linear_logprobs(h, w.double(), labels)
+    with pytest.raises(ValueError, match="bias must be"):
+        linear_logprobs(h, w, labels, b[:7])
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 1003\)"):
+        linear_logprobs(h, w, labels.clone().fill_(V))
+    with pytest.raises(ValueError, match="hidden must be 2-D"):
+        linear_logprobs(h[None], w, labels)
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        linear_logprobs(h, w, labels, chunk_tokens=0)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        linear_nll_loss(h, w, labels, torch.ones(3))
