@@ -1,0 +1,100 @@
+"""Run a function on ``world_size`` local processes joined in a gloo group (tests, benchmarks).
+
+Every worker runs ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")`` on a free
+127.0.0.1 port; return values come back to the caller in rank order, and a worker's exception
+comes back as its traceback (raised in the caller as ``RuntimeError``), so nothing is lost.
+For real jobs use ``torchrun`` (see the README); this helper is for one machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, results, args, threads, timeout_s):
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (gloo, CPU).
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of processes.
+        args: picklable extra arguments.
+        timeout_s: wall-clock limit for the whole run, also the collectives' timeout.
+        threads: ``torch.set_num_threads`` in each worker.
+
+    Returns: the workers' return values, in rank order.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, r, world_size, port, results, args, threads, timeout_s),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    got, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout_s)
+            if ok:
+                got[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                break  # the others may be blocked on the failed rank
+    except queue.Empty:
+        errors.append(f"timed out after {timeout_s}s waiting for the workers")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if errors:
+        raise RuntimeError("worker failed:\n" + "\n".join(errors))
+    return [got[r] for r in range(world_size)]

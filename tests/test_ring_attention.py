@@ -1,0 +1,166 @@
+"""ring_varlen_attention on gloo (CPU) vs single-device float64 varlen attention.
+
+Each world size is spawned once; its workers run every case and send back their max errors.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
+from rlhf_kernels.ring.attention import ring_varlen_attention
+from rlhf_kernels.ring.plan import RingPlan
+from rlhf_kernels.ring.spawn import run_gloo
+
+# lengths not multiples of anything; a length-1 document and one shorter than the world size
+LENGTHS = [1, 47, 2, 31, 3, 67, 13]
+HEAD_DIM = 16
+# name -> (heads, kv_heads, causal, window_size, softcap, extra kwargs)
+CASES = {
+    "causal": (4, 4, True, (-1, -1), 0.0, {}),
+    "causal_gqa": (4, 2, True, (-1, -1), 0.0, {}),
+    "causal_window": (2, 1, True, (9, 0), 0.0, {}),
+    "full_window": (2, 2, False, (5, 3), 0.0, {}),
+    "full": (2, 1, False, (-1, -1), 0.0, {}),
+    "causal_softcap": (4, 2, True, (-1, -1), 2.0, {}),
+    "causal_small_tiles": (2, 2, True, (11, 0), 0.0, {"tile": 7}),
+    "gqa_head_stride": (6, 3, True, (-1, -1), 0.0, {"kv_head_stride": 2}),
+}
+TOL = 1e-5
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _max_err(a, b, group=None):
+    err = torch.tensor([(a.double() - b.double()).abs().max().item() if a.numel() else 0.0])
+    dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
+    return err.item()
+
+
+def _reference(case, seed):
+    heads, kv_heads, causal, window, softcap, _ = CASES[case]
+    total = sum(LENGTHS)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, heads, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(total, kv_heads, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(total, kv_heads, HEAD_DIM, generator=g, dtype=torch.float64)
+    do = torch.randn(total, heads, HEAD_DIM, generator=g, dtype=torch.float64)
+    q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
+    cu = _cu(LENGTHS)
+    out, _ = varlen_attention_reference(
+        q64, k64, v64, cu, cu, causal=causal, window_size=window, softcap=softcap
+    )
+    out.backward(do)
+    return (q, k, v, do), (out.detach(), q64.grad, k64.grad, v64.grad)
+
+
+def _attention_cases(rank, world):
+    """Every case x layout x comm; returns {name: max error over out/dq/dk/dv, all ranks}."""
+    errors = {}
+    for seed, (case, (_, _, causal, window, softcap, extra)) in enumerate(CASES.items()):
+        inputs, ref = _reference(case, seed)  # same seed on every rank
+        for layout in ("zigzag", "contiguous"):
+            plan = RingPlan.build(_cu(LENGTHS), world, layout)
+            for comm in ("p2p", "allgather"):
+                q, k, v = (plan.shard(t, rank).float().requires_grad_() for t in inputs[:3])
+                out = ring_varlen_attention(
+                    q,
+                    k,
+                    v,
+                    plan,
+                    causal=causal,
+                    window_size=window,
+                    softcap=softcap,
+                    comm=comm,
+                    **extra,
+                )
+                out.backward(plan.shard(inputs[3], rank).float())
+                got = (out, q.grad, k.grad, v.grad)
+                errs = [_max_err(a, plan.shard(b, rank)) for a, b in zip(got, ref)]
+                errors[f"{case}/{layout}/{comm}"] = dict(zip(("out", "dq", "dk", "dv"), errs))
+    return errors
+
+
+def _bad_input_cases(rank, world):
+    """Each bad input must raise on every rank (a hang would hit the gloo timeout instead)."""
+    raised = {}
+    plan = RingPlan.build(_cu(LENGTHS), world)
+    q = torch.randn(plan.local_len, 2, 8)
+
+    def attempt(name, fn):
+        try:
+            fn()
+            raised[name] = None
+        except (ValueError, TypeError) as e:
+            raised[name] = str(e)
+
+    other = RingPlan.build(_cu(LENGTHS), world + 1)
+    attempt(
+        "world",
+        lambda: ring_varlen_attention(
+            q[: other.local_len], q[: other.local_len], q[: other.local_len], other
+        ),
+    )
+    short = q[:-1] if rank == world - 1 else q  # only the last rank is wrong
+    attempt("length", lambda: ring_varlen_attention(short, q, q, plan))
+    mine = plan if rank else RingPlan.build(_cu(LENGTHS[::-1]), world)  # rank 0 differs
+    attempt("plan", lambda: ring_varlen_attention(q, q, q, mine))
+    heads = q if rank else torch.randn(plan.local_len, 4, 8)  # rank 0 has other heads
+    attempt("heads", lambda: ring_varlen_attention(heads, q, q, plan))
+    if world > 2:  # a sub-group without the last rank: that rank is outside it
+        sub = dist.new_group(list(range(world - 1)))
+        sub_plan = RingPlan.build(_cu(LENGTHS), world - 1)
+        x = torch.randn(sub_plan.local_len, 2, 8)
+        attempt("outside", lambda: ring_varlen_attention(x, x, x, sub_plan, group=sub))
+        # the members of the sub-group still work together afterwards
+        if rank < world - 1:
+            out = ring_varlen_attention(x, x, x, sub_plan, group=sub)
+            raised["sub_ok"] = bool(torch.isfinite(out).all())
+    # still usable after the errors: a good call goes through
+    out = ring_varlen_attention(q, q, q, plan)
+    raised["after"] = bool(torch.isfinite(out).all())
+    return raised
+
+
+def _worker(rank, world):
+    return _attention_cases(rank, world), _bad_input_cases(rank, world)
+
+
+_ERRORS = {}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_attention_matches_single_device(world):
+    results = run_gloo(_worker, world, timeout_s=240)
+    errors, raised = results[0]
+    worst = {name: max(e.values()) for name, e in errors.items()}
+    _ERRORS[world] = max(worst.values())
+    print(f"world {world}: max error {_ERRORS[world]:.2e}")
+    assert len(errors) == len(CASES) * 4
+    bad = {name: e for name, e in errors.items() if max(e.values()) > TOL}
+    assert not bad, f"errors above {TOL}: {bad}"
+    # bad input: every rank raised (the last rank's own error, or the group-wide one)
+    for rank, (_, r) in enumerate(results):
+        assert r["world"] and f"world_size={world + 1}" in r["world"]
+        assert r["length"] and ("local_len" in r["length"] or "rank(s) [" in r["length"])
+        assert r["plan"] and "disagree" in r["plan"]
+        assert r["heads"] and "disagree" in r["heads"]
+        if world > 2:
+            if rank == world - 1:
+                assert r["outside"] and "not a member" in r["outside"]
+            else:
+                assert r["outside"] is None and r["sub_ok"]
+        assert r["after"]
+    assert "local_len" in results[-1][1]["length"]
+    assert f"rank(s) [{world - 1}]" in results[0][1]["length"]
+
+
+@pytest.mark.multiproc
+def test_ring_error_does_not_grow_with_world_size():
+    if len(_ERRORS) < 3:
+        pytest.skip("needs the three world sizes above in the same session")
+    # exact merges: the error stays at fp32 rounding level for every ring size
+    assert _ERRORS[4] <= 4 * max(_ERRORS[2], 1e-7), _ERRORS
