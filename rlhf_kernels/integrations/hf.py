@@ -1,0 +1,382 @@
+"""transformers integration: packed (varlen) and ring attention through the public registries.
+
+``register()`` adds an attention implementation named ``"rlhf_kernels"`` to transformers'
+``AttentionInterface`` and a matching ``AttentionMaskInterface`` entry (so transformers never
+builds a dense ``(B, 1, S, S)`` mask for it; it hands over the 2-D padding mask or nothing). Then::
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="rlhf_kernels")
+    out = model(**packed_model_inputs(samples))   # one [1, T] stream, no attention mask
+
+The attention function picks, in order:
+
+1. ``ring_context(plan, ...)`` active: ``rlhf_kernels.ring.attention.ring_varlen_attention`` on
+   this rank's tokens (batch 1); ``cu_seqlens``/``position_ids`` are ignored (the plan has them).
+2. A 2-D padding mask ``(B, kv_len)``: the padded batch is unpadded, run varlen, re-padded
+   (padding query rows give 0).
+3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`.
+4. ``position_ids``: a new sample starts wherever ``pos[t] != pos[t - 1] + 1`` (transformers'
+   own packed-sequence rule). Computed once per forward and reused by every layer.
+5. Otherwise every batch row is one sequence (query rows aligned to the end of the keys).
+
+Sliding window: transformers' layers see key ``j`` from query ``i`` when
+``i - sliding_window < j <= i``, i.e. ``window_size = (sliding_window - 1, 0)``. Softcap (Gemma-2)
+is ``softcap * tanh(scores / softcap)`` before masking, as in transformers' eager path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_kernels.ops.varlen_attention import varlen_attention
+from rlhf_kernels.packing import IGNORE_INDEX, pack_sequences
+
+ATTN_NAME = "rlhf_kernels"
+
+
+# ----------------------------------------------------------------------------- ring contract
+@dataclass(frozen=True)
+class _RingState:
+    plan: Any
+    group: Any
+    kwargs: dict = field(default_factory=dict)
+
+
+_RING: contextvars.ContextVar[_RingState | None] = contextvars.ContextVar(
+    "rlhf_kernels_ring", default=None
+)
+
+
+@contextlib.contextmanager
+def ring_context(plan: Any, group: Any = None, **ring_kwargs: Any) -> Iterator[None]:
+    """While active, the ``"rlhf_kernels"`` attention runs ring attention on this rank's tokens.
+
+    Every attention layer calls ``ring_varlen_attention(q, k, v, plan, group=group, causal=True,
+    softmax_scale=..., window_size=..., softcap=..., **ring_kwargs)`` with q/k/v shaped
+    ``(local_tokens, heads, head_dim)``; inputs must be one ``[1, local_tokens]`` row (no mask).
+
+    Args:
+        plan: the ring plan (``rlhf_kernels.ring.plan.RingPlan``) describing this rank's tokens.
+        group: the ring's process group (None: the default group).
+        ring_kwargs: passed through to ``ring_varlen_attention``.
+    """
+    token = _RING.set(_RingState(plan, group, dict(ring_kwargs)))
+    try:
+        yield
+    finally:
+        _RING.reset(token)
+
+
+# ----------------------------------------------------------------------------- segments
+_POS_CACHE_LOCK = threading.Lock()
+_POS_CACHE: list = [None]  # [(weakref to position_ids, version, shape, (cu_seqlens, max_len))]
+
+
+def _segments_from_position_ids(pos: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(B, S)`` position ids -> (int32 cu_seqlens over the flattened ``B * S`` tokens, max len).
+
+    A sample starts at each row start and wherever ``pos[t] != pos[t - 1] + 1``. The result for
+    the last tensor seen is cached (weak reference + in-place version), so the layers of one
+    forward compute it once.
+    """
+    with _POS_CACHE_LOCK:
+        hit = _POS_CACHE[0]
+        if hit is not None and hit[0]() is pos and hit[1] == pos._version and hit[2] == pos.shape:
+            return hit[3]
+    seq = pos.shape[-1]
+    flat = pos.reshape(-1)
+    start = torch.ones_like(flat, dtype=torch.bool)
+    start[1:] = flat[1:] != flat[:-1] + 1
+    start[::seq] = True
+    bounds = torch.cat(
+        [start.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)]
+    )
+    cu = bounds.to(torch.int32)
+    result = (cu, int(bounds.diff().max()))
+    with _POS_CACHE_LOCK:
+        _POS_CACHE[0] = (weakref.ref(pos), pos._version, pos.shape, result)
+    return result
+
+
+def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
+    if sliding_window is None:
+        return (-1, -1)
+    if int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    left = int(sliding_window) - 1  # transformers: key j visible when j > i - sliding_window
+    return (left, 0 if causal else left)
+
+
+def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- attention
+def rlhf_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function (signature of ``sdpa_attention_forward``).
+
+    Args:
+        module: the attention layer (``module.is_causal`` is the default for ``is_causal``).
+        query: ``(B, heads, S_q, head_dim)``; key/value: ``(B, kv_heads, S_k, head_dim)``.
+        attention_mask: None, or the 2-D bool padding mask ``(B, S_k)`` built by
+            :func:`padding_mask` (True = real token). A 4-D mask is rejected.
+        dropout, scaling, sliding_window, softcap: the layer's settings (transformers' meaning).
+        kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids`` as described in the
+            module docstring; anything else is ignored.
+
+    Returns:
+        ``(out, None)`` with out ``(B, S_q, heads, head_dim)``.
+    """
+    if kwargs.get("cache") is not None:
+        raise ValueError(
+            "rlhf_kernels attention does not support paged caches (continuous "
+            "batching); use attn_implementation='sdpa' for serving"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = _window(sliding_window, causal)
+    cap = float(softcap) if softcap is not None else 0.0
+    bsz, heads, s_q, dim = query.shape
+    s_k = key.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, heads, D)
+
+    ring = _RING.get()
+    if ring is not None:
+        if bsz != 1 or attention_mask is not None or not causal:
+            raise ValueError(
+                f"ring attention needs one causal [1, local_tokens] row without an "
+                f"attention mask, got batch {bsz}, mask "
+                f"{attention_mask is not None}, causal {causal}"
+            )
+        from rlhf_kernels.ring.attention import ring_varlen_attention
+
+        out = ring_varlen_attention(
+            q[0],
+            k[0],
+            v[0],
+            ring.plan,
+            group=ring.group,
+            causal=True,
+            softmax_scale=scaling,
+            window_size=window,
+            softcap=cap,
+            **ring.kwargs,
+        )
+        return out.reshape(1, s_q, heads, -1), None
+
+    common = dict(
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=causal,
+        window_size=window,
+        softcap=cap,
+        backend=backend,
+    )
+    if attention_mask is not None:
+        return _padded_attention(q, k, v, attention_mask, window, common), None
+
+    q, k, v = (
+        q.reshape(-1, heads, dim),
+        k.reshape(-1, k.shape[2], dim),
+        v.reshape(-1, v.shape[2], dim),
+    )
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if bsz != 1 or cu_q is None or cu_k is None:
+            raise ValueError(
+                f"cu_seq_lens_q/k need a packed batch of one row and both tensors, "
+                f"got batch {bsz}, cu_seq_lens_q given {cu_q is not None}, "
+                f"cu_seq_lens_k given {cu_k is not None}"
+            )
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            None if max_q is None else int(max_q),
+            None if max_k is None else int(max_k),
+            **common,
+        )
+    elif kwargs.get("position_ids") is not None and s_q == s_k:
+        pos = kwargs["position_ids"]
+        if pos.shape[-1] != s_q:
+            raise ValueError(
+                f"position_ids must have {s_q} positions per row, got shape {tuple(pos.shape)}"
+            )
+        cu, longest = _segments_from_position_ids(
+            pos.expand(bsz, -1) if pos.shape[0] != bsz else pos
+        )
+        out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
+    else:  # one sequence per row
+        dev = query.device
+        cu_q = torch.arange(0, bsz + 1, device=dev, dtype=torch.int32) * s_q
+        cu_k = torch.arange(0, bsz + 1, device=dev, dtype=torch.int32) * s_k
+        out = varlen_attention(q, k, v, cu_q, cu_k, s_q, s_k, **common)
+    return out.reshape(bsz, s_q, heads, -1), None
+
+
+def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
+    """Unpad a padded batch (q ``(B, S_q, H, D)``, k/v ``(B, S_k, KVH, D)``), run varlen, re-pad."""
+    bsz, s_q, heads, dim = q.shape
+    s_k = k.shape[1]
+    if mask.dim() != 2 or mask.shape[0] != bsz or mask.shape[1] < s_k:
+        raise ValueError(
+            f"rlhf_kernels attention takes a 2-D padding mask (batch, kv_len) = "
+            f"({bsz}, {s_k}); got shape {tuple(mask.shape)}. 4-D masks are not "
+            f"supported: pass a 2-D mask or packed position_ids"
+        )
+    mask_k = mask[:, -s_k:].bool()
+    mask_q = mask_k[:, -s_q:]
+    if window[0] >= 0:
+        # unpadding would shrink distances across holes, changing what a window sees
+        runs = (mask_k[:, 1:] & ~mask_k[:, :-1]).sum(1) + mask_k[:, 0]
+        if bool((runs > 1).any()):
+            raise ValueError(
+                "sliding-window attention needs each row's real tokens to be "
+                "contiguous (left or right padding), got padding between tokens"
+            )
+    idx_q = mask_q.reshape(-1).nonzero().flatten()
+    idx_k = mask_k.reshape(-1).nonzero().flatten()
+    cu_q = _cu_from_counts(mask_q.sum(1))
+    cu_k = _cu_from_counts(mask_k.sum(1))
+    out = varlen_attention(
+        q.reshape(-1, heads, dim)[idx_q],
+        k.reshape(-1, k.shape[2], dim)[idx_k],
+        v.reshape(-1, v.shape[2], dim)[idx_k],
+        cu_q,
+        cu_k,
+        **common,
+    )
+    full = out.new_zeros(bsz * s_q, heads, out.shape[-1]).index_copy(0, idx_q, out)
+    return full.reshape(bsz, s_q, heads, -1)
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """``AttentionMaskInterface`` entry: the 2-D bool padding mask, or None when nothing is padded.
+
+    The causal / sliding-window / packed structure is applied by the attention function, so no
+    dense 4-D mask is ever built. Custom mask overlays (``or_mask_function``/``and_mask_function``,
+    which transformers flags with ``use_vmap``) cannot be expressed here and raise.
+    """
+    if kwargs.get("use_vmap"):
+        raise ValueError(
+            "rlhf_kernels attention cannot apply custom mask overlays "
+            "(or_mask_function/and_mask_function); use another attn_implementation"
+        )
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].bool()
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def register(name: str = ATTN_NAME, backend: str = "auto") -> str:
+    """Register the attention function and its mask function with transformers under ``name``.
+
+    Args:
+        name: the ``attn_implementation`` string to register.
+        backend: ``varlen_attention`` backend (``"auto"``, ``"torch"``, ``"triton"``,
+            ``"flash_attn"``).
+    Returns: ``name``, for ``from_pretrained(..., attn_implementation=register())``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if backend == "auto":
+        fn = rlhf_attention_forward
+    else:
+
+        def fn(*args, **kwargs):
+            return rlhf_attention_forward(*args, backend=backend, **kwargs)
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+# ----------------------------------------------------------------------------- collator
+def packed_model_inputs(
+    samples: Sequence[torch.Tensor | Sequence[int]],
+    labels: Sequence[torch.Tensor | Sequence[int]] | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """Tokenized samples -> kwargs for a transformers causal LM on the packed path.
+
+    Args:
+        samples: ``n`` 1-D token-id sequences.
+        labels: optional per-sample labels (same lengths, transformers' unshifted convention,
+            ``-100`` = not a target). Default: the tokens themselves.
+        device: where to put the tensors (default: the samples' device).
+
+    Returns:
+        ``input_ids`` / ``position_ids`` ``(1, T)`` int64, ``cu_seq_lens_q`` = ``cu_seq_lens_k``
+        ``(n + 1,)`` int32, ``max_length_q`` = ``max_length_k`` (int), and ``labels`` ``(1, T)``
+        with ``-100`` at each sample's first token, so the model's internal shift never makes a
+        sample's last token predict the next sample's first token.
+    """
+    packed = pack_sequences([torch.as_tensor(s, device=device) for s in samples])
+    lab = packed.causal_lm_labels()
+    if labels is not None:
+        lab = packed.pack(
+            [torch.as_tensor(x, device=packed.input_ids.device).long() for x in labels]
+        )
+        lab[packed.cu_seqlens[:-1].long()] = IGNORE_INDEX
+    return {
+        "input_ids": packed.input_ids.long().unsqueeze(0),
+        "position_ids": packed.position_ids.unsqueeze(0),
+        "cu_seq_lens_q": packed.cu_seqlens,
+        "cu_seq_lens_k": packed.cu_seqlens,
+        "max_length_q": packed.max_seqlen,
+        "max_length_k": packed.max_seqlen,
+        "labels": lab.unsqueeze(0),
+    }
+
+
+class PackedCollator:
+    """``DataCollator``-style: a list of ``{"input_ids": ..., ["labels": ...]}`` -> packed kwargs.
+
+    Every feature must have the same keys; see :func:`packed_model_inputs` for the output.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = device
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if not features:
+            raise ValueError("features must hold at least one sample, got an empty list")
+        has_labels = ["labels" in f for f in features]
+        if any(has_labels) and not all(has_labels):
+            raise ValueError("either every feature or none must have 'labels'")
+        labels = [f["labels"] for f in features] if all(has_labels) else None
+        return packed_model_inputs([f["input_ids"] for f in features], labels, self.device)

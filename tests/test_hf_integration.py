@@ -1,0 +1,249 @@
+"""transformers integration: packed / padded / ring paths against per-sample eager runs (fp32)."""
+
+import sys
+import types
+
+import pytest
+import torch
+import transformers
+from transformers.masking_utils import sliding_window_causal_mask_function
+
+from rlhf_kernels.integrations import hf
+from rlhf_kernels.ops.varlen_attention import attention_mask, varlen_attention
+
+VOCAB = 97
+LENS = [13, 31, 1, 20]  # longer than every sliding window below
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2_sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
+    "mistral_sliding": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=7)),
+    "gemma2_softcap": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            sliding_window=6,
+            attn_logit_softcapping=2.0,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=30.0,
+        ),
+    ),
+}
+_MODELS = {}
+
+
+def _models(name, tmp_path_factory):
+    """(eager model, rlhf_kernels model) with identical weights, reloaded via from_pretrained."""
+    if name not in _MODELS:
+        cfg_cls, model_cls, extra = CONFIGS[name]
+        model_cls = getattr(transformers, model_cls)
+        torch.manual_seed(1)
+        model = model_cls(getattr(transformers, cfg_cls)(**TINY, **extra))
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        hf.register()
+        eager = model_cls.from_pretrained(path, attn_implementation="eager").eval()
+        ours = model_cls.from_pretrained(path, attn_implementation="rlhf_kernels").eval()
+        assert ours.config._attn_implementation == "rlhf_kernels"
+        _MODELS[name] = (eager, ours)
+    return _MODELS[name]
+
+
+def _samples(lens=LENS):
+    g = torch.Generator().manual_seed(sum(lens))
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_packed_logits_match_per_sample_eager(name, tmp_path_factory):
+    eager, ours = _models(name, tmp_path_factory)
+    samples = _samples()
+    inputs = hf.packed_model_inputs(samples)
+    with torch.no_grad():
+        ref = torch.cat([eager(s[None], use_cache=False).logits[0] for s in samples])
+        via_kwargs = ours(**{k: v for k, v in inputs.items() if k != "labels"}).logits[0]
+        via_positions = ours(
+            input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]
+        ).logits[0]
+    torch.testing.assert_close(via_kwargs, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(via_positions, ref, atol=1e-4, rtol=0)
+
+
+def test_sliding_window_convention_matches_transformers():
+    for sw in (1, 3, 8):
+        window = hf._window(sw, causal=True)
+        fn = sliding_window_causal_mask_function(sw)
+        idx = [torch.tensor(i) for i in range(11)]
+        hf_mask = torch.tensor([[bool(fn(idx[0], idx[0], i, j)) for j in idx] for i in idx])
+        assert torch.equal(attention_mask(11, 11, True, window), hf_mask), sw
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        hf._window(0, causal=True)
+
+
+def test_packed_gradients_match_per_sample(tmp_path_factory):
+    eager, ours = _models("mistral_sliding", tmp_path_factory)
+    samples = _samples()
+    n_targets = sum(len(s) - 1 for s in samples)
+    eager.zero_grad()
+    for s in samples:  # token-weighted mean over all samples == the packed loss
+        if len(s) > 1:
+            (
+                eager(s[None], labels=s[None], use_cache=False).loss * (len(s) - 1) / n_targets
+            ).backward()
+    ours.zero_grad()
+    inputs = hf.packed_model_inputs(samples)
+    assert (inputs["labels"][0, inputs["cu_seq_lens_q"][:-1].long()] == -100).all()
+    ours(**inputs).loss.backward()
+    ref = dict(eager.named_parameters())
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n].grad, atol=1e-4, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", ["llama", "mistral_sliding"])
+def test_padded_batch_with_mask(name, side, tmp_path_factory):
+    eager, ours = _models(name, tmp_path_factory)
+    samples = _samples([9, 23, 17])
+    width = max(len(s) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for b, s in enumerate(samples):
+        sl = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[b, sl], mask[b, sl] = s, 1
+    with torch.no_grad():
+        out = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    for b, s in enumerate(samples):
+        with torch.no_grad():
+            ref = eager(s[None], use_cache=False).logits[0]
+        torch.testing.assert_close(out[b][mask[b].bool()], ref, atol=1e-4, rtol=0)
+
+
+def test_rejects_masks_it_cannot_honour(tmp_path_factory):
+    _, ours = _models("mistral_sliding", tmp_path_factory)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with pytest.raises(ValueError, match="4-D masks are not supported"):
+        ours(input_ids=ids, attention_mask=torch.ones(1, 1, 12, 12, dtype=torch.bool))
+    holes = torch.ones(1, 12, dtype=torch.long)
+    holes[0, 5] = 0
+    with pytest.raises(ValueError, match="contiguous"):
+        ours(input_ids=ids, attention_mask=holes)
+    # without a window a hole is fine: the masked token is simply never attended to
+    _, llama = _models("llama", tmp_path_factory)
+    with torch.no_grad():
+        out = llama(input_ids=ids, attention_mask=holes, use_cache=False).logits
+    assert torch.isfinite(out).all()
+
+
+def test_position_id_segments_cached_per_tensor():
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 5, 6]])
+    cu, longest = hf._segments_from_position_ids(pos)
+    assert cu.tolist() == [0, 3, 4, 6, 8] and cu.dtype == torch.int32 and longest == 3
+    assert hf._segments_from_position_ids(pos)[0] is cu  # reused by the next layer
+    pos[0, 7] = 9  # in-place edit bumps the version: recomputed
+    assert hf._segments_from_position_ids(pos)[0].tolist() == [0, 3, 4, 6, 7, 8]
+    two_rows = torch.tensor([[0, 1, 2], [3, 4, 5]])  # each row starts a sequence
+    assert hf._segments_from_position_ids(two_rows)[0].tolist() == [0, 3, 6]
+
+
+def test_collator_labels_and_validation():
+    feats = [
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+        {"input_ids": [8, 9], "labels": [8, 9]},
+    ]
+    out = hf.PackedCollator()(feats)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert out["labels"].tolist() == [[-100, 6, 7, -100, 9]]
+    assert out["cu_seq_lens_q"].tolist() == [0, 3, 5] and out["max_length_q"] == 3
+    with pytest.raises(ValueError, match="every feature or none"):
+        hf.PackedCollator()([feats[0], {"input_ids": [1]}])
+    with pytest.raises(ValueError, match=r"tensors\[1\] must have first dim 2"):
+        hf.packed_model_inputs([[1, 2, 3], [4, 5]], labels=[[1, 2, 3], [4]])
+
+
+class _Plan:
+    """Stand-in for a RingPlan on one rank: this rank holds every token."""
+
+    def __init__(self, cu_seqlens):
+        self.cu_seqlens = cu_seqlens
+
+
+def test_ring_context_calls_ring_attention(monkeypatch, tmp_path_factory):
+    calls = []
+
+    def ring_varlen_attention(
+        q,
+        k,
+        v,
+        plan,
+        group=None,
+        causal=False,
+        softmax_scale=None,
+        window_size=(-1, -1),
+        softcap=0.0,
+        **kw,
+    ):
+        calls.append(
+            dict(
+                shape=tuple(q.shape),
+                group=group,
+                causal=causal,
+                scale=softmax_scale,
+                window=window_size,
+                softcap=softcap,
+                **kw,
+            )
+        )
+        cu = plan.cu_seqlens
+        return varlen_attention(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            softcap=softcap,
+        )
+
+    fake = types.ModuleType("rlhf_kernels.ring.attention")
+    fake.ring_varlen_attention = ring_varlen_attention
+    monkeypatch.setitem(sys.modules, "rlhf_kernels.ring.attention", fake)
+
+    eager, ours = _models("gemma2_softcap", tmp_path_factory)
+    samples = _samples()
+    inputs = hf.packed_model_inputs(samples)
+    with torch.no_grad():
+        ref = torch.cat([eager(s[None], use_cache=False).logits[0] for s in samples])
+        with hf.ring_context(_Plan(inputs["cu_seq_lens_q"]), group="ring-group", extra=7):
+            # position ids of one packed row without boundaries: only the plan knows them
+            out = ours(
+                input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False
+            ).logits[0]
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    assert len(calls) == 2  # one per layer
+    heads, head_dim, total = 4, 16, sum(LENS)
+    sliding = [c for c in calls if c["window"] != (-1, -1)]
+    assert len(sliding) == 1 and sliding[0]["window"] == (5, 0)  # sliding_window=6
+    for c in calls:
+        assert c["shape"] == (total, heads, head_dim) and c["group"] == "ring-group"
+        assert c["causal"] is True and c["softcap"] == 2.0 and c["extra"] == 7
+        assert c["scale"] == pytest.approx(16**-0.5)
+    assert hf._RING.get() is None  # context reset on exit
+    with hf.ring_context(_Plan(inputs["cu_seq_lens_q"])):
+        with pytest.raises(ValueError, match="ring attention needs one causal"):
+            ours(input_ids=torch.zeros(2, 5, dtype=torch.long), use_cache=False)
