@@ -1,0 +1,229 @@
+"""Triton varlen attention (forward + backward) against the float64 reference.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest), so shapes stay tiny but
+cover several 16-wide blocks, uneven and empty sequences, GQA/MQA, odd head dims, masks that skip
+whole key blocks, cross-attention lengths (bottom-right alignment, rows that see no key) and
+softcap. The ``gpu`` test repeats the comparisons at larger shapes on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rlhf_kernels.ops.varlen_attention import varlen_attention, varlen_attention_reference
+from rlhf_kernels.ops.varlen_attention_triton import triton_varlen_attention
+
+# (id, lens_q, lens_k (None = self-attention), heads, kv_heads, head_dim, causal, window, softcap)
+CASES = [
+    ("full_mqa_d40", [5, 1, 0, 33], None, 2, 1, 40, False, (-1, -1), 0.0),
+    ("causal_gqa_d64", [17, 1, 0, 31], None, 4, 2, 64, True, (-1, -1), 0.0),
+    # seq 0/1: lq < lk; seq 2: lq > lk (first rows see nothing); seq 3: no keys at all
+    ("cross_causal_gqa_d24", [7, 3, 20, 4], [12, 9, 3, 0], 4, 2, 24, True, (-1, -1), 0.0),
+    ("window_left_causal_softcap_d40", [47, 9], None, 4, 2, 40, True, (6, -1), 1.5),
+    ("window_left_right_gqa_d64", [19, 1, 40], None, 4, 2, 64, False, (5, 3), 0.0),
+    # lq = 0 with lk > 0 (those keys get zero grads), lq > lk with a window (empty rows)
+    ("cross_window_softcap_mqa_d96", [9, 0, 20], [14, 6, 5], 2, 1, 96, False, (3, 2), 2.0),
+]
+CASE_IDS = [c[0] for c in CASES]
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _problem(lens_q, lens_k, heads, kv_heads, dim, device="cpu"):
+    """float64 q, k, v, dout and cu_seqlens for one packed batch."""
+    lens_k = lens_q if lens_k is None else lens_k
+    g = torch.Generator().manual_seed(1234)
+    q = torch.randn(sum(lens_q), heads, dim, generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), kv_heads, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), kv_heads, dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(sum(lens_q), heads, dim, generator=g, dtype=torch.float64)
+    tensors = [t.to(device) for t in (q, k, v, dout)]
+    return (*tensors, _cu(lens_q).to(device), _cu(lens_k).to(device), max(lens_q), max(lens_k))
+
+
+def _run(fn, q, k, v, dout, dtype, **kw):
+    """Forward + backward of ``fn`` in ``dtype``: returns [out, lse, dq, dk, dv]."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves, **kw)
+    out.backward(dout.to(dtype))
+    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+
+
+def _triton(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):
+    return triton_varlen_attention(
+        q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap
+    )
+
+
+def _reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):
+    return varlen_attention_reference(q, k, v, cu_q, cu_k, scale, causal, window, softcap)
+
+
+def _compare(case, dtype, device="cpu"):
+    """Returns ([triton results], [float64 results], [reference-in-dtype results] or None)."""
+    _, lens_q, lens_k, heads, kv_heads, dim, causal, window, softcap = case
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = _problem(lens_q, lens_k, heads, kv_heads, dim, device)
+    kw = dict(
+        cu_q=cu_q,
+        cu_k=cu_k,
+        max_q=max_q,
+        max_k=max_k,
+        scale=dim**-0.5,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+    )
+    got = _run(_triton, q, k, v, dout, dtype, **kw)
+    ref = _run(_reference, q, k, v, dout, torch.float64, **kw)
+    low = None if dtype == torch.float32 else _run(_reference, q, k, v, dout, dtype, **kw)
+    return got, ref, low
+
+
+NAMES = ["out", "lse", "dq", "dk", "dv"]
+
+
+def _check_structure(got, ref):
+    for name, a, r in zip(NAMES, got, ref):
+        assert a.shape == r.shape, name
+        assert not torch.isnan(a).any(), f"{name} has NaN"
+    # rows that see no key: lse -inf exactly where the reference has it, output and dq zero
+    empty = torch.isneginf(ref[1])
+    assert torch.equal(torch.isneginf(got[1]), empty)
+    assert torch.isfinite(got[1][~empty]).all()
+    rows = empty.t()  # (total_q, H)
+    assert (got[0][rows] == 0).all() and (got[2][rows] == 0).all()
+
+
+def _max_err(a, r, name):
+    if name == "lse":
+        keep = torch.isfinite(r)
+        a, r = a[keep], r[keep]
+    return (a.double() - r).abs().max().item() if r.numel() else 0.0
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_fp32_matches_float64_reference(case):
+    got, ref, _ = _compare(case, torch.float32)
+    _check_structure(got, ref)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    for name, a, r in zip(NAMES, got, ref):
+        keep = torch.isfinite(r)
+        torch.testing.assert_close(a.double()[keep], r[keep], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "dtype,case",
+    [(torch.float16, CASES[2]), (torch.bfloat16, CASES[3]), (torch.bfloat16, CASES[5])],
+    ids=["fp16-" + CASES[2][0], "bf16-" + CASES[3][0], "bf16-" + CASES[5][0]],
+)
+def test_low_precision_within_2x_of_torch(dtype, case):
+    """error(triton in dtype) <= 2 x error(reference math in dtype), both vs float64."""
+    got, ref, low = _compare(case, dtype)
+    _check_structure(got, ref)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    assert all(t.dtype == dtype for t in got[2:])
+    for name, a, r, lo in zip(NAMES, got, ref, low):
+        err, torch_err = _max_err(a, r, name), _max_err(lo, r, name)
+        floor = 1e-4 * r[torch.isfinite(r)].abs().max().item()  # tiny absolute floor
+        assert err <= 2 * torch_err + floor, (name, err, torch_err)
+
+
+def test_public_api_matches_torch_backend_and_is_deterministic():
+    lens = [21, 1, 0, 12]
+    q, k, v, dout, cu_q, cu_k, _, _ = _problem(lens, None, 4, 2, 40)
+    q, k, v, dout = (t.float() for t in (q, k, v, dout))
+    kw = dict(softmax_scale=0.3, causal=True, window_size=[7, -1], softcap=3.0, return_lse=True)
+    results = []
+    for backend in ("triton", "triton", "torch"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = varlen_attention(*leaves, cu_q.long(), cu_k.long(), backend=backend, **kw)
+        out.backward(dout)
+        results.append([out, lse] + [t.grad for t in leaves])
+        if backend == "triton":
+            assert not lse.requires_grad  # lse is returned for merging, not differentiated
+    for a, b in zip(results[0], results[1]):  # no atomics: bit-identical reruns
+        assert torch.equal(a, b)
+    for name, a, b in zip(NAMES, results[0], results[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_rejects_float64():
+    q = torch.randn(4, 2, 16, dtype=torch.float64)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="fp32/fp16/bf16"):
+        triton_varlen_attention(q, q, q, cu, cu, 4, 4, 0.25, False, (-1, -1), 0.0)
+    with pytest.raises(TypeError, match="float64"):
+        varlen_attention(q, q, q, cu, cu, backend="triton")
+
+
+_AOT_SCRIPT = textwrap.dedent(
+    """
+    import inspect, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from rlhf_kernels.ops import varlen_attention_triton as m
+    DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    DATA = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
+    for dt, dim in (("fp16", 128), ("bf16", 64), ("fp32", 256)):
+        for kern in (m._fwd_kernel, m._bwd_dkdv_kernel, m._bwd_dq_kernel, m._bwd_delta_kernel):
+            names = list(inspect.signature(kern.fn).parameters)
+            bm, bn, warps, stages = m._block_sizes(dim, DTYPES[dt], kern is not m._fwd_kernel)
+            const = dict(GROUP=2, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, BLOCK_M=bm,
+                         BLOCK_N=bn, BLOCK_D=dim, BLOCK_T=64, **m._dot_meta(DTYPES[dt]))
+            const = {n: v for n, v in const.items() if n in names}
+            sig = {}
+            for n in names:
+                sig[n] = ("constexpr" if n in const else "*" + dt if n in DATA
+                          else "*fp32" if n in ("LSE", "DELTA") else "*i32" if n.startswith("CU_")
+                          else "fp32" if n in ("scale", "softcap") else "i32")
+            src = triton.compiler.ASTSource(
+                kern, sig, {(names.index(n),): v for n, v in const.items()})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps, num_stages=stages))
+            assert k.metadata.shared <= 227 * 1024, (kern.__name__, dt, k.metadata.shared)
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """Lower every kernel to an H100 cubin without a GPU (catches GPU-only compile errors that
+    the interpreter accepts, and shared-memory overflows of the chosen block sizes)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    res = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    if "ptxas" in res.stderr and "not found" in res.stderr.lower():
+        pytest.skip("ptxas not available")
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 80, 128])
+def test_cuda_larger_shapes(dtype, dim):
+    cases = [
+        ("causal", [1000, 1, 0, 2047, 513], None, 8, 2, dim, True, (-1, -1), 0.0),
+        ("cross_window_softcap", [300, 7, 900], [900, 0, 700], 8, 1, dim, False, (128, 64), 30.0),
+    ]
+    for case in cases:
+        got, ref, low = _compare(case, dtype, device="cuda")
+        _check_structure([t.cpu() for t in got], [t.cpu() for t in ref])
+        for name, a, r, *lo in zip(NAMES, got, ref, *([low] if low is not None else [])):
+            if dtype == torch.float32:
+                keep = torch.isfinite(r)
+                torch.testing.assert_close(
+                    a.double()[keep], r[keep], rtol=2e-5, atol=2e-5, msg=f"{case[0]} {name}"
+                )
+            else:
+                err, torch_err = _max_err(a, r, name), _max_err(lo[0], r, name)
+                assert err <= 2 * torch_err + 1e-5, (case[0], name, err, torch_err)
