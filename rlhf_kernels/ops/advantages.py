@@ -1,0 +1,95 @@
+"""Outcome-reward advantages for groups of samples, and masked whitening.
+
+``group_advantages`` takes one scalar reward per response, laid out as consecutive groups of
+``group_size`` responses to the same prompt (``rewards[i * G : (i + 1) * G]`` is group ``i``):
+
+- ``"grpo"``: ``(r - mean_g) / (std_g + eps)`` (unbiased std over the group).
+- ``"dr_grpo"``: ``r - mean_g`` (Dr. GRPO: no std scaling).
+- ``"rloo"``: ``r - (sum_g - r) / (G - 1)`` (leave-one-out baseline).
+- ``"reinforce_baseline"``: ``(r - mean_g) / (std_batch + eps)`` (REINFORCE++-baseline: group
+  mean baseline, then one std over the whole batch).
+
+All math is vectorised over groups: ``(N,) -> (N / G, G)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-response advantages from group statistics.
+
+    Args:
+        rewards: ``(N,)`` float scalar reward per response, ``N`` a multiple of ``group_size``,
+            groups contiguous.
+        group_size: responses per prompt ``G`` (>= 2 for ``"grpo"`` and ``"rloo"``).
+        estimator: one of ``"grpo"``, ``"dr_grpo"``, ``"rloo"``, ``"reinforce_baseline"``.
+        eps: added to the std before dividing.
+    Returns: ``(N,)`` advantages in rewards' dtype (differentiable, though rewards rarely are).
+    """
+    if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
+        raise TypeError(
+            f"rewards must be a float tensor, got "
+            f"{getattr(rewards, 'dtype', type(rewards).__name__)}"
+        )
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if rewards.numel() % group_size:
+        raise ValueError(
+            f"the reward count {rewards.numel()} is not a multiple of group_size={group_size}"
+        )
+    if estimator in ("grpo", "rloo") and group_size < 2:
+        raise ValueError(f"estimator {estimator!r} needs group_size >= 2, got {group_size}")
+    r = rewards.view(-1, group_size)  # (groups, G)
+    if estimator == "rloo":
+        return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)
+    centred = r - r.mean(1, keepdim=True)
+    if estimator == "dr_grpo":
+        return centred.view(-1)
+    if estimator == "grpo":
+        return (centred / (r.std(1, keepdim=True) + eps)).view(-1)
+    std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    return (centred / (std + eps)).view(-1)  # reinforce_baseline
+
+
+def whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    shift_only: bool = False,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Masked normalisation ``(x - mean) / sqrt(var + eps)`` with statistics over ``mask``.
+
+    Args:
+        x: float tensor of any shape (e.g. per-token advantages ``(B, T)`` or packed ``(N,)``).
+        mask: x's shape, 0/1 (bool or numeric); statistics use only the selected entries
+            (default: all). Unselected entries are transformed the same way (callers mask them).
+        shift_only: subtract the masked mean but do not divide by the std.
+        eps: added to the (unbiased) masked variance.
+    Returns: x's shape and dtype.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if mask is None:
+        m = torch.ones_like(x)
+    else:
+        if mask.shape != x.shape:
+            raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
+        m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp_min(1)
+    centred = x - mean
+    if shift_only:
+        return centred
+    var = (centred.square() * m).sum() / (n - 1).clamp_min(1)  # unbiased
+    return centred * torch.rsqrt(var + eps)

@@ -1,0 +1,209 @@
+"""KL penalties, the PPO clipped policy loss and the clipped value loss, mask- or cu_seqlens-aware.
+
+Token layouts: padded ``(B, T)`` with a ``mask``, or packed ``(N,)`` with ``cu_seqlens``
+(sequence ``i`` owns ``cu[i]:cu[i+1]``; an optional ``(N,)`` mask further selects tokens).
+Sequence-level aggregations reduce per sequence (rows, or cu_seqlens segments) first.
+All functions are plain differentiable torch math (no kernel pays here: each is a few
+element-wise passes that torch.compile fuses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_kernels._checks import check_cu_seqlens, check_same_device
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1", clamp: float | None = None
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs.
+
+    Args:
+        logp: policy log-probs of the sampled tokens, any shape, float.
+        ref_logp: reference-model log-probs, logp's shape.
+        estimator: ``"k1"`` ``logp - ref``; ``"k2"`` ``0.5 (logp - ref)^2``;
+            ``"k3"`` ``exp(ref - logp) - 1 - (ref - logp)`` (unbiased, non-negative).
+        clamp: if given (> 0), the estimate is clamped to ``[-clamp, clamp]``.
+    Returns: logp's shape and dtype.
+    """
+    _check_float(logp=logp, ref_logp=ref_logp)
+    if ref_logp.shape != logp.shape:
+        raise ValueError(
+            f"ref_logp must have logp's shape {tuple(logp.shape)}, got {tuple(ref_logp.shape)}"
+        )
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be > 0 or None, got {clamp}")
+    d = logp - ref_logp
+    if estimator == "k1":
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d.square()
+    else:
+        kl = torch.expm1(-d) + d  # exp(ref - logp) - 1 - (ref - logp)
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
+
+
+# ----------------------------------------------------------------------------- layouts
+def _check_float(**tensors):
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(
+                f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+            )
+
+
+def _token_layout(ref_name, ref, mask, cu_seqlens, **others):
+    """Validate; return (float mask of ref's shape, seq ids (same shape), number of sequences)."""
+    for name, t in others.items():
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{name} must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(t.shape)}"
+            )
+    check_same_device(**{ref_name: ref}, mask=mask, **others)
+    if mask is not None and mask.shape != ref.shape:
+        raise ValueError(
+            f"mask must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(mask.shape)}"
+        )
+    if cu_seqlens is not None:
+        if ref.dim() != 1:
+            raise ValueError(
+                f"with cu_seqlens, {ref_name} must be packed 1-D (N,), got shape {tuple(ref.shape)}"
+            )
+        cu = check_cu_seqlens(cu_seqlens, ref.shape[0])
+        lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=ref.device)
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=ref.device), lens)
+        n_seq = len(lens)
+    elif mask is not None:
+        if ref.dim() != 2:
+            raise ValueError(
+                f"with a mask and no cu_seqlens, {ref_name} must be padded 2-D "
+                f"(B, T), got shape {tuple(ref.shape)}"
+            )
+        seq = torch.arange(ref.shape[0], device=ref.device)[:, None].expand_as(ref)
+        n_seq = ref.shape[0]
+    else:
+        raise ValueError(
+            "give mask (padded (B, T) layout) or cu_seqlens (packed (N,) layout); got neither"
+        )
+    m = torch.ones_like(ref) if mask is None else mask.to(ref.dtype)
+    return m, seq, n_seq
+
+
+def _aggregate(x, m, seq, n_seq, aggregation):
+    if aggregation == "token-mean":
+        return (x * m).sum() / m.sum().clamp_min(1)
+    per_seq = torch.zeros(n_seq, dtype=x.dtype, device=x.device)
+    per_seq = per_seq.index_add(0, seq.reshape(-1), (x * m).reshape(-1))
+    if aggregation == "seq-mean-token-mean":
+        count = torch.zeros(n_seq, dtype=x.dtype, device=x.device)
+        count = count.index_add(0, seq.reshape(-1), m.reshape(-1))
+        per_seq = per_seq / count.clamp_min(1)
+    return per_seq.mean() if n_seq else per_seq.sum()
+
+
+# ----------------------------------------------------------------------------- losses
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
+
+    Args:
+        logp: ``(B, T)`` or packed ``(N,)`` current log-probs of the taken tokens
+            (differentiable).
+        old_logp: log-probs under the behaviour policy, logp's shape.
+        advantages: per-token advantages, logp's shape.
+        mask: 0/1 token mask, logp's shape; required for the padded layout.
+        clip_low, clip_high: asymmetric ratio clip ``[1 - clip_low, 1 + clip_high]``.
+        dual_clip: if given (> 1), for ``A < 0`` the loss is capped at ``-A * dual_clip``.
+        aggregation: ``"token-mean"`` (over all selected tokens), ``"seq-mean-token-mean"``
+            (token mean per sequence, then mean over sequences), ``"seq-mean-token-sum"``
+            (token sum per sequence, then mean over sequences).
+        cu_seqlens: ``(S + 1,)`` boundaries for the packed layout.
+        return_stats: also return a dict of detached scalars: ``clip_frac`` (tokens whose
+            clipped term won), ``dual_clip_frac``, ``approx_kl`` (token mean of k3 between the
+            old and new policy) and ``ratio_mean``.
+    Returns: scalar loss in logp's dtype (and the stats dict).
+    """
+    _check_float(logp=logp, old_logp=old_logp, advantages=advantages)
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if not (0 <= clip_low < 1 and clip_high >= 0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
+    m, seq, n_seq = _token_layout(
+        "logp", logp, mask, cu_seqlens, old_logp=old_logp, advantages=advantages
+    )
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        capped = torch.minimum(loss, -advantages * dual_clip)
+        loss = torch.where(advantages < 0, capped, loss)
+    out = _aggregate(loss, m, seq, n_seq, aggregation)
+    if not return_stats:
+        return out
+    with torch.no_grad():
+        n = m.sum().clamp_min(1)
+        stats = {
+            "clip_frac": ((clipped > unclipped).to(m.dtype) * m).sum() / n,
+            "approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * m).sum() / n,
+            "ratio_mean": (ratio * m).sum() / n,
+            "dual_clip_frac": torch.zeros((), dtype=m.dtype, device=m.device),
+        }
+        if dual_clip is not None:
+            hit = (advantages < 0) & (torch.maximum(unclipped, clipped) > -advantages * dual_clip)
+            stats["dual_clip_frac"] = (hit.to(m.dtype) * m).sum() / n
+    return out, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    clip: float | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Critic loss ``0.5 * max((v - R)^2, (v_clip - R)^2)``, token mean over the mask.
+
+    Args:
+        values: ``(B, T)`` or packed ``(N,)`` current value predictions (differentiable).
+        old_values: values at rollout time, values' shape.
+        returns: regression targets, values' shape.
+        mask: 0/1 token mask, values' shape; required for the padded layout.
+        clip: if given (> 0), ``v_clip = old + clamp(v - old, -clip, clip)`` enters the max;
+            without it the loss is ``0.5 (v - R)^2``.
+        cu_seqlens: boundaries for the packed layout (all tokens count unless mask says not).
+    Returns: scalar in values' dtype.
+    """
+    _check_float(values=values, old_values=old_values, returns=returns)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip must be > 0 or None, got {clip}")
+    m, _, _ = _token_layout(
+        "values", values, mask, cu_seqlens, old_values=old_values, returns=returns
+    )
+    err = (values - returns).square()
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (v_clip - returns).square())
+    return 0.5 * (err * m).sum() / m.sum().clamp_min(1)

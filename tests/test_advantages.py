@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+
+from rlhf_kernels import group_advantages, whiten
+
+
+def _ref_group(r, G, est, eps=1e-6):
+    """Per-element Python reference in float64."""
+    out = []
+    vals = r.tolist()
+    all_mean = sum(vals) / len(vals)
+    batch_std = math.sqrt(sum((v - all_mean) ** 2 for v in vals) / (len(vals) - 1))
+    for g0 in range(0, len(vals), G):
+        grp = vals[g0 : g0 + G]
+        mean = sum(grp) / G
+        std = math.sqrt(sum((v - mean) ** 2 for v in grp) / (G - 1)) if G > 1 else 0.0
+        for v in grp:
+            if est == "grpo":
+                out.append((v - mean) / (std + eps))
+            elif est == "dr_grpo":
+                out.append(v - mean)
+            elif est == "rloo":
+                out.append(v - (sum(grp) - v) / (G - 1))
+            else:
+                out.append((v - mean) / (batch_std + eps))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("est", ["grpo", "dr_grpo", "rloo", "reinforce_baseline"])
+@pytest.mark.parametrize("G", [2, 5, 7])
+def test_group_advantages_match_reference(est, G):
+    r = torch.randn(G * 9, dtype=torch.float64)
+    torch.testing.assert_close(group_advantages(r, G, est), _ref_group(r, G, est))
+    out32 = group_advantages(r.float(), G, est)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), _ref_group(r, G, est), atol=1e-5, rtol=1e-5)
+
+
+def test_group_advantages_gradient():
+    r = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    for est in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
+        assert torch.autograd.gradcheck(lambda x, e=est: group_advantages(x, 4, e), (r,))
+
+
+def test_rloo_equals_scaled_dr_grpo():
+    # known identity: rloo = G / (G - 1) * (r - mean)
+    r = torch.randn(30, dtype=torch.float64)
+    torch.testing.assert_close(
+        group_advantages(r, 6, "rloo"), 6 / 5 * group_advantages(r, 6, "dr_grpo")
+    )
+
+
+def test_group_advantages_bad_input():
+    with pytest.raises(ValueError, match="not a multiple of group_size=4"):
+        group_advantages(torch.randn(10), 4)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        group_advantages(torch.randn(8), 4, "ppo")
+    with pytest.raises(ValueError, match="needs group_size >= 2"):
+        group_advantages(torch.randn(8), 1, "rloo")
+    with pytest.raises(ValueError, match="rewards must be 1-D"):
+        group_advantages(torch.randn(2, 4), 4)
+    with pytest.raises(TypeError, match="rewards must be a float tensor"):
+        group_advantages(torch.ones(8, dtype=torch.long), 4)
+
+
+def test_whiten_masked():
+    x = torch.randn(5, 67, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(5, 67) > 0.4
+    sel = x[mask]
+    ref = (x - sel.mean()) / torch.sqrt(sel.var() + 1e-8)  # unbiased var
+    out = whiten(x, mask)
+    torch.testing.assert_close(out, ref)
+    gw = torch.randn(5, 67, dtype=torch.float64)
+    (g1,) = torch.autograd.grad((out * gw).sum(), x)
+    (g2,) = torch.autograd.grad((ref * gw).sum(), x)
+    torch.testing.assert_close(g1, g2)
+    torch.testing.assert_close(whiten(x, mask, shift_only=True), x - sel.mean())
+    torch.testing.assert_close(whiten(x), (x - x.mean()) / torch.sqrt(x.var() + 1e-8))
+    # masked entries do not influence the statistics
+    x2 = x.detach().clone()
+    x2[~mask] = 1e6
+    torch.testing.assert_close(whiten(x2, mask)[mask], out.detach()[mask])
+
+
+def test_whiten_bad_input():
+    with pytest.raises(ValueError, match="mask must have x's shape"):
+        whiten(torch.randn(3, 4), torch.ones(3, 5))
+    with pytest.raises(TypeError, match="x must be a float tensor"):
+        whiten(torch.ones(3, dtype=torch.long))

@@ -1,0 +1,145 @@
+import pytest
+import torch
+
+from rlhf_kernels import kl_penalty, policy_loss, value_loss
+
+B, T = 3, 67
+
+
+def _data(dtype=torch.float64):
+    logp = (torch.randn(B, T, dtype=dtype) * 0.3 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, dtype=dtype) * 0.3
+    adv = torch.randn(B, T, dtype=dtype)
+    lens = [67, 20, 1]
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        mask[i, :n] = True
+    return logp, old, adv, mask, lens
+
+
+def _ref_policy(logp, old, adv, mask, lo, hi, dual, agg):
+    """Per-token loop reference."""
+    per_seq, tot, cnt = [], 0.0, 0
+    for b in range(logp.shape[0]):
+        s, n = 0.0, 0
+        for t in range(logp.shape[1]):
+            if not mask[b, t]:
+                continue
+            r = torch.exp(logp[b, t] - old[b, t])
+            a = adv[b, t]
+            loss = torch.maximum(-a * r, -a * torch.clamp(r, 1 - lo, 1 + hi))
+            if dual is not None and a < 0:
+                loss = torch.minimum(loss, -a * dual)
+            s, n = s + loss, n + 1
+        tot, cnt = tot + s, cnt + n
+        per_seq.append(s / max(n, 1) if agg == "seq-mean-token-mean" else s)
+    if agg == "token-mean":
+        return tot / cnt
+    return sum(per_seq) / len(per_seq)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("lo,hi,dual", [(0.2, 0.2, None), (0.1, 0.28, 3.0)])
+def test_policy_loss_padded_and_packed(agg, lo, hi, dual):
+    logp, old, adv, mask, lens = _data()
+    kw = dict(clip_low=lo, clip_high=hi, dual_clip=dual, aggregation=agg)
+    ours = policy_loss(logp, old, adv, mask, **kw)
+    ref = _ref_policy(logp, old, adv, mask, lo, hi, dual, agg)
+    torch.testing.assert_close(ours, ref)
+    (g1,) = torch.autograd.grad(ours, logp)
+    (g2,) = torch.autograd.grad(ref, logp)
+    torch.testing.assert_close(g1, g2)
+    # packed layout: same tokens back to back
+    cu = torch.tensor([0, 67, 87, 88])
+    pk = [torch.cat([x[i, :n] for i, n in enumerate(lens)]) for x in (logp, old, adv)]
+    packed = policy_loss(*pk, cu_seqlens=cu, **kw)
+    torch.testing.assert_close(packed, ref)
+
+
+def test_policy_loss_fp32_and_stats():
+    logp, old, adv, mask, _ = _data()
+    out, stats = policy_loss(
+        logp.float(),
+        old.float(),
+        adv.float(),
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=2.0,
+        return_stats=True,
+    )
+    ref = _ref_policy(logp, old, adv, mask, 0.2, 0.2, 2.0, "token-mean")
+    torch.testing.assert_close(out.double(), ref.detach(), atol=1e-6, rtol=1e-5)
+    r = torch.exp(logp - old).detach()[mask]
+    a = adv[mask]
+    clipped = (-a * r.clamp(0.8, 1.2)) > (-a * r)
+    torch.testing.assert_close(
+        stats["clip_frac"].double(), clipped.double().mean(), atol=1e-6, rtol=0
+    )
+    kl = ((old - logp).detach()[mask]).expm1() - (old - logp).detach()[mask]
+    torch.testing.assert_close(stats["approx_kl"].double(), kl.mean(), atol=1e-6, rtol=1e-5)
+    assert 0 < stats["clip_frac"] < 1 and 0 <= stats["dual_clip_frac"] < 1
+
+
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_value_loss(clip):
+    v = torch.randn(B, T, dtype=torch.float64, requires_grad=True)
+    old = v.detach() + 0.3 * torch.randn(B, T, dtype=torch.float64)
+    ret = torch.randn(B, T, dtype=torch.float64)
+    _, _, _, mask, lens = _data()
+    out = value_loss(v, old, ret, mask, clip)
+    terms = []
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                e = (v[b, t] - ret[b, t]) ** 2
+                if clip is not None:
+                    vc = old[b, t] + torch.clamp(v[b, t] - old[b, t], -clip, clip)
+                    e = torch.maximum(e, (vc - ret[b, t]) ** 2)
+                terms.append(0.5 * e)
+    ref = sum(terms) / len(terms)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, v)[0], torch.autograd.grad(ref, v)[0])
+    cu = torch.tensor([0, 67, 87, 88])
+    pk = [torch.cat([x[i, :n] for i, n in enumerate(lens)]) for x in (v, old, ret)]
+    torch.testing.assert_close(value_loss(*pk, clip=clip, cu_seqlens=cu), ref)
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_penalty(est):
+    logp = (torch.randn(7, 31, dtype=torch.float64) - 1).requires_grad_()
+    ref_logp = torch.randn(7, 31, dtype=torch.float64) - 1
+    out = kl_penalty(logp, ref_logp, est)
+    d = logp - ref_logp
+    expect = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[est]
+    torch.testing.assert_close(out, expect)
+    torch.testing.assert_close(
+        torch.autograd.grad(out.sum(), logp)[0], torch.autograd.grad(expect.sum(), logp)[0]
+    )
+    clamped = kl_penalty(logp, ref_logp, est, clamp=0.1)
+    torch.testing.assert_close(clamped, expect.clamp(-0.1, 0.1))
+    if est == "k3":
+        assert (out >= 0).all()
+
+
+def test_bad_input():
+    x = torch.randn(2, 5)
+    m = torch.ones(2, 5)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        kl_penalty(x, x, "k4")
+    with pytest.raises(ValueError, match="ref_logp must have logp's shape"):
+        kl_penalty(x, x[:, :3])
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        policy_loss(x, x, x, m, aggregation="seq-sum")
+    with pytest.raises(ValueError, match="advantages must have logp's shape"):
+        policy_loss(x, x, x[:, :2], m)
+    with pytest.raises(ValueError, match="got neither"):
+        policy_loss(x, x, x)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(x, x, x, m, dual_clip=0.5)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]"):
+        value_loss(x.view(-1), x.view(-1), x.view(-1), cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="mask must have values's shape"):
+        value_loss(x, x, x, torch.ones(2, 4))
+    with pytest.raises(TypeError, match="returns must be a float tensor"):
+        value_loss(x, x, x.long(), m)
