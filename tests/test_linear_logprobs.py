@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from rlhf_kernels import linear_logprobs
+from rlhf_kernels.ops import linear_logprobs as lp_mod
 from rlhf_kernels.ops.linear_logprobs import (
     _chunk_sizes,
     linear_logprobs_reference,
@@ -119,3 +120,25 @@ def test_bad_input():
         linear_logprobs(h, w, labels, chunk_tokens=0)
     with pytest.raises(ValueError, match="mask must have shape"):
         linear_nll_loss(h, w, labels, torch.ones(3))
+
+
+@pytest.mark.parametrize("small_budget", [False, True])
+def test_nll_loss_paths_temperature_and_bf16(small_budget, monkeypatch):
+    if small_budget:  # vocab no longer fits one block: the linear_logprobs path is taken
+        monkeypatch.setattr(lp_mod, "_MIN_BUDGET", 2048)
+        assert lp_mod._chunk_sizes(T, H, V)[1] < V
+    h, w, b, labels = _inputs()
+    mask = torch.rand(T) > 0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.detach().to(dtype).clone().requires_grad_() for t in (h, w, b)]
+        loss = linear_nll_loss(args[0], args[1], labels, mask, bias=args[2], temperature=0.7)
+        (loss * 3).backward()
+        ref_args = [t.detach().to(dtype).double().requires_grad_() for t in (h, w, b)]
+        lp, _ = linear_logprobs_reference(*ref_args[:2], labels, ref_args[2], 0.7)
+        ref = -(lp * mask).sum() / mask.sum()
+        (ref * 3).backward()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(loss.double(), ref, atol=tol, rtol=tol)
+        for a, r in zip(args, ref_args):
+            assert a.grad.dtype == dtype
+            torch.testing.assert_close(a.grad.double(), r.grad, atol=tol, rtol=tol)

@@ -50,91 +50,136 @@ def linear_logprobs_reference(hidden, weight, labels, bias=None, temperature=1.0
 
 
 # ----------------------------------------------------------------------------- blocks
-def _block(h, w, b, tau):
-    u = (h @ w.T).float()
-    if b is not None:
-        u += b.float()
-    return u.div_(tau)
+def _block(buf, hc, wc, b_s, inv_tau, lse=None):
+    """``buf``'s first ``n * nv`` floats as ``(n, nv)`` = ``(hc @ wc.T + b) / tau [- lse]``, fp32.
+
+    Reusing one preallocated buffer avoids a fresh (page-faulted) allocation per block; for fp32
+    the ``1/tau`` scale goes onto ``hc`` ``(n, H)`` and ``-lse`` into the matmul's epilogue.
+    """
+    n, nv = hc.shape[0], wc.shape[0]
+    u = buf.view(-1)[: n * nv].view(n, nv)
+    if hc.dtype == torch.float32:
+        hs = hc * inv_tau if inv_tau != 1.0 else hc
+        if lse is None:
+            torch.mm(hs, wc.T, out=u)
+        else:
+            torch.addmm(lse[:, None], hs, wc.T, beta=-1.0, out=u)
+    else:  # low precision: matmul in the input dtype, everything after in fp32
+        torch.mul(hc @ wc.T, inv_tau, out=u)
+        if lse is not None:
+            u.sub_(lse[:, None])
+    if b_s is not None:
+        u.add_(b_s)
+    return u
 
 
-def _forward(h, w, b, labels, tau, tc, vc, want_entropy):
+def _view(buf, like):
+    return buf.view(-1)[: like.numel()].view(like.shape)
+
+
+def _label_in_chunk(lab, v0, nv):
+    idx = lab - v0
+    return idx.clamp(0, nv - 1)[:, None], (idx >= 0) & (idx < nv)
+
+
+def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy):
     T, V = h.shape[0], w.shape[0]
     lse = torch.empty(T, dtype=torch.float32, device=h.device)
     logp, ent = torch.empty_like(lse), torch.empty_like(lse)
+    buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
+    buf_e = torch.empty_like(buf_u)
     for t0 in range(0, T, tc):
         hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
         n = hc.shape[0]
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
         s, t, u_lab = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
         for v0 in range(0, V, vc):
-            u = _block(hc, w[v0 : v0 + vc], None if b is None else b[v0 : v0 + vc], tau)
-            idx = lab - v0
-            here = (idx >= 0) & (idx < u.shape[1])
-            u_lab += torch.where(here, u.gather(1, idx.clamp(0, u.shape[1] - 1)[:, None])[:, 0], 0)
+            bc = None if b_s is None else b_s[v0 : v0 + vc]
+            u = _block(buf_u, hc, w[v0 : v0 + vc], bc, inv_tau)
+            col, here = _label_in_chunk(lab, v0, u.shape[1])
+            u_lab += torch.where(here, u.gather(1, col)[:, 0], 0.0)
             m_new = torch.maximum(m, u.amax(1))
             scale = torch.exp(m - m_new)
-            e = torch.exp(u - m_new[:, None])
-            s = s * scale + e.sum(1)
-            if want_entropy:
-                t = t * scale + (e * u).sum(1)
+            u.sub_(m_new[:, None])  # u - m_new <= 0
+            e = torch.exp(u, out=_view(buf_e, u))
+            e_sum = e.sum(1)
+            if want_entropy:  # t = sum e * u_original = sum e * (u - m) + m * sum e
+                t = t * scale + torch.bmm(e[:, None], u[:, :, None])[:, 0, 0] + m_new * e_sum
+            s = s * scale + e_sum
             m = m_new
-        lse[t0 : t0 + n] = m + torch.log(s)
-        logp[t0 : t0 + n] = u_lab - lse[t0 : t0 + n]
-        ent[t0 : t0 + n] = lse[t0 : t0 + n] - t / s
+        sl = slice(t0, t0 + n)
+        lse[sl] = m + torch.log(s)
+        logp[sl] = u_lab - lse[sl]
+        ent[sl] = lse[sl] - t / s
     return logp, (ent if want_entropy else None), lse
 
 
-def _backward(h, w, b, labels, tau, tc, vc, lse, ent, g_lp, g_ent, needs):
-    """Gradients (dhidden, dweight, dbias) for upstream g_lp (T,) and g_ent (T,) or None."""
+def _new_grads(h, w, needs):
+    T, H = h.shape
+    f32 = dict(dtype=torch.float32, device=h.device)
+    dh = torch.zeros(T, H, **f32) if needs[0] else None
+    dw = torch.empty_like(w) if needs[1] else None
+    db = torch.zeros(w.shape[0], **f32) if needs[2] else None
+    return dh, dw, db
+
+
+def _accumulate(g, hc, wc, dh_c, acc):
+    """dh_c += g @ wc, acc += g.T @ hc (fp32 accumulators; g fp32 (n, nv))."""
+    gd = g if hc.dtype == torch.float32 else g.to(hc.dtype)
+    if dh_c is not None:
+        if gd.dtype == torch.float32:
+            dh_c.addmm_(gd, wc)
+        else:
+            dh_c += (gd @ wc).float()
+    if acc is not None:
+        if gd.dtype == torch.float32:
+            acc.addmm_(gd.T, hc)
+        else:
+            acc += (gd.T @ hc).float()
+
+
+def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
+    """Gradients (dhidden, dweight, dbias) for upstream g_lp (T,) and g_ent (T,) or None.
+
+    Vocab chunks outer, token chunks inner: the fp32 weight-gradient accumulator is one
+    ``(Vc, H)`` chunk (written in place when weight is fp32), ``dhidden`` is fp32 ``(T, H)``.
+    """
     T, H = h.shape
     V = w.shape[0]
-    need_h, need_w, need_b = needs
-    dh = torch.zeros(T, H, dtype=torch.float32, device=h.device) if need_h else None
-    dw = torch.empty_like(w) if need_w else None
-    db = torch.zeros(V, dtype=torch.float32, device=h.device) if need_b else None
+    dh, dw, db = _new_grads(h, w, needs)
+    g_lp = g_lp * inv_tau  # d u / d z = 1 / tau folded into the upstream gradients
+    g_ent = None if g_ent is None else g_ent * inv_tau
+    buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
+    buf_p = torch.empty_like(buf_u)
     for v0 in range(0, V, vc):
         wc = w[v0 : v0 + vc]
-        bc = None if b is None else b[v0 : v0 + vc]
+        bc = None if b_s is None else b_s[v0 : v0 + vc]
         nv = wc.shape[0]
-        # fp32 accumulator for this vocab chunk's weight gradient (in place when weight is fp32)
         acc = None
-        if need_w:
-            acc = dw[v0 : v0 + nv] if w.dtype == torch.float32 else None
-            if acc is None:
-                acc = torch.zeros(nv, H, dtype=torch.float32, device=h.device)
-            else:
-                acc.zero_()
+        if dw is not None:
+            acc = dw[v0 : v0 + nv].zero_() if w.dtype == torch.float32 else None
+            acc = torch.zeros(nv, H, dtype=torch.float32, device=h.device) if acc is None else acc
         for t0 in range(0, T, tc):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
             sl = slice(t0, t0 + hc.shape[0])
-            logp = _block(hc, wc, bc, tau).sub_(lse[sl, None])  # (n, nv) log p
-            p = torch.exp(logp)
-            if g_ent is not None:
+            logp = _block(buf_u, hc, wc, bc, inv_tau, lse=lse[sl])  # (n, nv) log p
+            p = torch.exp(logp, out=_view(buf_p, logp))
+            if g_ent is not None:  # -g_ent * p * (log p + H) - g_lp * p
                 g = logp.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
                 g.addcmul_(p, g_lp[sl, None], value=-1.0)
             else:
                 g = p.mul_(-g_lp[sl, None])
-            idx = lab - v0
-            here = (idx >= 0) & (idx < nv)
-            g.scatter_add_(
-                1, idx.clamp(0, nv - 1)[:, None], torch.where(here, g_lp[sl], 0)[:, None]
-            )
-            g.div_(tau)
-            if need_b:
+            col, here = _label_in_chunk(lab, v0, nv)
+            g.scatter_add_(1, col, torch.where(here, g_lp[sl], 0.0)[:, None])
+            if db is not None:
                 db[v0 : v0 + nv] += g.sum(0)
-            gd = g if h.dtype == torch.float32 else g.to(h.dtype)
-            if need_h:
-                if gd.dtype == torch.float32:
-                    dh[sl].addmm_(gd, wc)
-                else:
-                    dh[sl] += (gd @ wc).float()
-            if need_w:
-                if gd.dtype == torch.float32:
-                    acc.addmm_(gd.T, hc)
-                else:
-                    acc += (gd.T @ hc).float()
-        if need_w and w.dtype != torch.float32:
+            _accumulate(g, hc, wc, None if dh is None else dh[sl], acc)
+        if dw is not None and w.dtype != torch.float32:
             dw[v0 : v0 + nv] = acc
+    return dh, dw, db
+
+
+def _cast_grads(dh, dw, db, h, b):
     return (
         None if dh is None else dh.to(h.dtype),
         dw,
@@ -142,18 +187,24 @@ def _backward(h, w, b, labels, tau, tc, vc, lse, ent, g_lp, g_ent, needs):
     )
 
 
+def _scaled_bias(b, inv_tau):
+    return None if b is None else b.float() * inv_tau
+
+
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc):
-        logp, ent, lse = _forward(h, w, b, labels, tau, tc, vc, want_entropy)
+        inv_tau = 1.0 / tau
+        b_s = _scaled_bias(b, inv_tau)
+        logp, ent, lse = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy)
         ctx.save_for_backward(h, w, b, labels, lse, ent)
-        ctx.cfg = (tau, tc, vc)
+        ctx.cfg = (inv_tau, tc, vc)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         h, w, b, labels, lse, ent = ctx.saved_tensors
-        tau, tc, vc = ctx.cfg
+        inv_tau, tc, vc = ctx.cfg
         if g_lp is None:
             g_lp = torch.zeros_like(lse)
         needs = (
@@ -164,9 +215,9 @@ class _LinearLogProbs(torch.autograd.Function):
         dh, dw, db = _backward(
             h,
             w,
-            b,
+            _scaled_bias(b, inv_tau),
             labels,
-            tau,
+            inv_tau,
             tc,
             vc,
             lse,
@@ -175,7 +226,57 @@ class _LinearLogProbs(torch.autograd.Function):
             None if g_ent is None else g_ent.float(),
             needs,
         )
-        return dh, dw, db, None, None, None, None, None
+        return (*_cast_grads(dh, dw, db, h, b), None, None, None, None, None)
+
+
+class _LinearNLL(torch.autograd.Function):
+    """``-sum_t wt[t] * logp[t]`` with its gradients computed during the forward, one pass.
+
+    The upstream gradient of a scalar loss is one number, so (Liger-style) each block's
+    ``dU = wt * (p - onehot) / tau`` is formed right after its log-sum-exp and folded into
+    ``dhidden`` / ``dweight``: 3 matmuls instead of 4. Needs the whole vocabulary in one block.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, b, labels, wt, tau, tc):
+        inv_tau = 1.0 / tau
+        T, H = h.shape
+        V = w.shape[0]
+        b_s = _scaled_bias(b, inv_tau)
+        ng = ctx.needs_input_grad  # grad mode and requires_grad, as seen by autograd
+        needs = (ng[0], ng[1], b is not None and ng[2])
+        dh, dw, db = _new_grads(h, w, needs)
+        acc = None
+        if dw is not None:  # fp32 accumulator (in place for fp32 weights)
+            acc = dw.zero_() if w.dtype == torch.float32 else torch.zeros(V, H, device=h.device)
+        buf_u = torch.empty(min(tc, T) * V, dtype=torch.float32, device=h.device)
+        buf_p = torch.empty_like(buf_u)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        g_lab = -wt * inv_tau
+        for t0 in range(0, T, tc):
+            hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
+            sl = slice(t0, t0 + hc.shape[0])
+            u = _block(buf_u, hc, w, b_s, inv_tau)
+            u.sub_(u.amax(1, keepdim=True))
+            p = torch.exp(u, out=_view(buf_p, u))
+            s = p.sum(1)
+            logp = u.gather(1, lab[:, None])[:, 0] - torch.log(s)
+            loss -= (wt[sl] * logp).sum()
+            if any(needs):
+                g = p.mul_((wt[sl] * inv_tau / s)[:, None])  # wt * p / tau
+                g.scatter_add_(1, lab[:, None], g_lab[sl, None])
+                if db is not None:
+                    db += g.sum(0)
+                _accumulate(g, hc, w, None if dh is None else dh[sl], acc)
+        if dw is not None and w.dtype != torch.float32:
+            dw.copy_(acc)
+        ctx.save_for_backward(*_cast_grads(dh, dw, db, h, b))
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        dh, dw, db = ctx.saved_tensors
+        return tuple(None if t is None else t * g.to(t.dtype) for t in (dh, dw, db)) + (None,) * 4
 
 
 # ----------------------------------------------------------------------------- API
@@ -262,15 +363,23 @@ def linear_nll_loss(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """SFT loss without logits: ``-sum(mask * logp) / sum(mask)`` over ``linear_logprobs``.
+    """SFT loss without logits: ``-sum(mask * logp) / sum(mask)``.
 
     Args: as :func:`linear_logprobs`; ``mask`` ``(T,)`` 0/1 (bool or numeric) selects the tokens
     that count (default: all). Returns a float32 scalar (0 when the mask is empty).
+    When the whole vocabulary fits one block (``_chunk_sizes``) and the fp32 weight-gradient
+    accumulator is free (fp32 weight) or within the block budget, gradients are computed in the
+    forward pass (``_LinearNLL``, 3 matmuls); otherwise this is ``linear_logprobs`` + a sum.
     """
-    logp = linear_logprobs(hidden, weight, labels, bias, temperature)
-    if mask is None:
-        return -logp.mean()
-    if mask.shape != logp.shape:
-        raise ValueError(f"mask must have shape {tuple(logp.shape)}, got {tuple(mask.shape)}")
-    m = mask.to(torch.float32)
-    return -(logp * m).sum() / m.sum().clamp_min(1.0)
+    _check(hidden, weight, labels, bias, temperature, None, None)
+    T, H = hidden.shape
+    V = weight.shape[0]
+    if mask is not None and mask.shape != (T,):
+        raise ValueError(f"mask must have shape ({T},), got {tuple(mask.shape)}")
+    m = torch.ones(T, device=hidden.device) if mask is None else mask.to(torch.float32)
+    wt = m / m.sum().clamp_min(1.0)  # per-token weight of -logp in the loss
+    tc, vc = _chunk_sizes(T, H, V)
+    if vc == V and (weight.dtype == torch.float32 or V * H <= max(T * H, _MIN_BUDGET)):
+        return _LinearNLL.apply(hidden, weight, bias, labels.long(), wt, float(temperature), tc)
+    # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
+    return -(linear_logprobs(hidden, weight, labels, bias, temperature) * wt).sum()
