@@ -15,13 +15,24 @@ import torch.distributed as dist
 from ._wire import ALIGN, align
 
 
-def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Aligned stream offsets of ``tensors`` and the stream length."""
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Aligned stream offsets of tensors of ``sizes`` bytes each, and the stream length."""
     offsets, pos = [], 0
-    for t in tensors:
+    for n in sizes:
         offsets.append(pos)
-        pos += align(t.numel() * t.element_size())
+        pos += align(n)
     return offsets, pos
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def spec_nbytes(dtype: torch.dtype, shape) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * dtype.itemsize
 
 
 def piece_size(max_chunk_bytes: int) -> int:
@@ -30,13 +41,10 @@ def piece_size(max_chunk_bytes: int) -> int:
 
 def view_tensor(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
     """The tensor of ``dtype``/``shape`` stored at byte ``offset`` of the uint8 ``flat``."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel == 0:
+    n = spec_nbytes(dtype, shape)
+    if n == 0:
         return torch.empty(shape, dtype=dtype, device=flat.device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return flat[offset : offset + nbytes].view(dtype).view(shape)
+    return flat[offset : offset + n].view(dtype).view(shape)
 
 
 class Sender:
@@ -51,14 +59,14 @@ class Sender:
         self.works: list[list] = [[], []]
         self.k = 0
 
-    def _slot(self, nbytes: int) -> torch.Tensor:
+    def _slot(self, need: int) -> torch.Tensor:
         slot = self.k % 2
         for w in self.works[slot]:  # the buffer is reused: its last transfer must be done
             w.wait()
         self.works[slot] = []
         buf = self.bufs[slot]
-        if buf is None or buf.numel() < nbytes:  # grows up to piece_bytes, then stays
-            size = min(self.piece_bytes, max(nbytes, 2 * (0 if buf is None else buf.numel())))
+        if buf is None or buf.numel() < need:  # grows up to piece_bytes, then stays
+            size = min(self.piece_bytes, max(need, 2 * (0 if buf is None else buf.numel())))
             buf = self.bufs[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return buf
 
@@ -70,7 +78,7 @@ class Sender:
             stop = min(total, start + self.piece_bytes)
             buf = self._slot(stop - start)
             for j, (t, off) in enumerate(zip(tensors, offsets)):
-                n = t.numel() * t.element_size()
+                n = nbytes(t)
                 lo, hi = max(off, start), min(off + n, stop)
                 if lo >= hi:
                     continue
@@ -102,3 +110,11 @@ def recv_into(flat: torch.Tensor, piece_bytes: int, recv_fn) -> list:
 
 def bcast_fn(gsrc: int, group):
     return lambda buf: dist.broadcast(buf, src=gsrc, group=group, async_op=True)
+
+
+def isend_fn(gdst: int, group):
+    return lambda buf: dist.isend(buf, dst=gdst, group=group)
+
+
+def irecv_fn(gsrc: int, group):
+    return lambda buf: dist.irecv(buf, src=gsrc, group=group)

@@ -91,17 +91,23 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
 
 def micro_batches(samples: Iterable, budget, max_chunk_bytes: int) -> Iterator[list]:
     """Greedy in-order split of ``samples`` into lists whose ``budget(sample)`` sum stays
-    within ``max_chunk_bytes``; a sample over the budget forms a micro-batch alone."""
+    within ``max_chunk_bytes``; a sample over the budget forms a micro-batch alone. If
+    ``samples`` raises (or a sample is invalid), the samples before it are yielded first."""
     batch, used = [], 0
-    for i, sample in enumerate(samples):
-        if not isinstance(sample, Mapping):
-            raise TypeError(f"samples[{i}] must be a dict, got {type(sample).__name__}")
-        size = budget(sample, i)
-        if batch and used + size > max_chunk_bytes:
+    try:
+        for i, sample in enumerate(samples):
+            if not isinstance(sample, Mapping):
+                raise TypeError(f"samples[{i}] must be a dict, got {type(sample).__name__}")
+            size = budget(sample, i)
+            if batch and used + size > max_chunk_bytes:
+                yield batch
+                batch, used = [], 0
+            batch.append(sample)
+            used += size
+    except Exception:
+        if batch:
             yield batch
-            batch, used = [], 0
-        batch.append(sample)
-        used += size
+        raise
     if batch:
         yield batch
 
@@ -130,8 +136,14 @@ class Header:
         work = dist.broadcast(t, src=self.gsrc, group=self.group, async_op=True)
         if self.timeout is None:
             work.wait()
-        else:
+            return
+        try:
             work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"header exchange with the source rank {self.src} did not finish within "
+                f"{self.timeout} (timeout): a rank stalled or failed; the group is unusable now"
+            ) from exc
 
     def send(self, status: int, meta: Any = None) -> None:
         self.send_raw(status, b"" if meta is None else dumps_meta(meta, "header"))

@@ -19,15 +19,16 @@ header) or by ``init_process_group(timeout=...)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _stream, _wire
+from ..ring.plan import LAYOUTS, RingPlan
+from . import _protocol, _stream, _wire
 
-__all__ = ["broadcast_chunked"]
+__all__ = ["broadcast_chunked", "scatter_for_ring"]
 
 Sample = dict[str, Any]
 
@@ -78,7 +79,7 @@ def _sample_bytes(sample: Sample, index: int) -> int:
 def _describe(batch: list[Sample]) -> tuple[list, list[torch.Tensor]]:
     """Per sample ``[(key, ("t", dtype, shape, offset) | ("o", value))]`` and the tensors."""
     tensors = [v for s in batch for v in s.values() if isinstance(v, torch.Tensor)]
-    offsets, _ = _stream.layout(tensors)
+    offsets, _ = _stream.layout([_stream.nbytes(t) for t in tensors])
     desc, j = [], 0
     for sample in batch:
         fields = []
@@ -147,94 +148,203 @@ def broadcast_chunked(
     """
     name = "broadcast_chunked"
     rank, _ = _check_common(name, src, group, max_chunk_bytes)
-    device = _wire.comm_device(group)
-    fields = {"src": src, "max_chunk_bytes": max_chunk_bytes, "kind": 1}
-    return _run(name, rank, src, group, device, samples, fields, max_chunk_bytes, timeout)
-
-
-def _run(name, rank, src, group, device, samples, fields, max_chunk_bytes, timeout):
-    # argument checks happen at call time; communication starts on the first next()
     error = _samples_error(name, rank, src, samples)
-    if rank == src:
-        gen = _send(name, samples, src, group, device, max_chunk_bytes, timeout)
+    fields = {"kind": 1, "src": src, "max_chunk_bytes": max_chunk_bytes}
+    return _stream_gen(
+        name, error, fields, src, group, timeout, _broadcast_side, samples, max_chunk_bytes
+    )
+
+
+def _stream_gen(name, error, fields, src, group, timeout, side, *args):
+    # argument checks ran at call time; communication starts on the first next()
+    device = _wire.comm_device(group)
+    _wire.handshake(fields, error, group=group, device=device, who=name)
+    header = _wire.Header(src=src, group=group, device=device, timeout=timeout)
+    yield from side(name, header, device, *args)
+
+
+def _broadcast_side(name, header, device, samples, max_chunk_bytes):
+    piece = _stream.piece_size(max_chunk_bytes)
+    group, src = header.group, header.src
+    if samples is not None:  # the source
+        sender = _stream.Sender(piece, device)
+        send_fns = [_stream.bcast_fn(header.gsrc, group)]
+
+        def prepare(batch):
+            desc, tensors = _describe(batch)
+            offsets, total = _stream.layout([_stream.nbytes(t) for t in tensors])
+            start = lambda: sender.send(tensors, offsets, total, send_fns)
+            return _wire.dumps_meta(desc, name), total, start, batch
+
+        batches = _wire.micro_batches(samples, _sample_bytes, max_chunk_bytes)
+        yield from _protocol.send_loop(header, batches, prepare, sender.wait)
     else:
-        gen = _recv(name, src, group, device, max_chunk_bytes, timeout)
+        recv = _stream.bcast_fn(header.gsrc, group)
 
-    def stream():
-        _wire.handshake(fields, error, group=group, device=device, who=name)
-        yield from gen
-
-    return stream()
-
-
-def _send(name, samples, src, group, device, max_chunk_bytes, timeout):
-    header = _wire.Header(src=src, group=group, device=device, timeout=timeout)
-    piece = _stream.piece_size(max_chunk_bytes)
-    sender = _stream.Sender(piece, device)
-    send_fns = [_stream.bcast_fn(header.gsrc, group)]
-    batches = _wire.micro_batches(samples, _sample_bytes, max_chunk_bytes)
-    prev, closed = None, False
-    try:
-        while True:
-            try:
-                batch = next(batches, None)
-                if batch is not None:
-                    desc, tensors = _describe(batch)
-                    meta = _wire.dumps_meta(desc, name)  # raises before anything is sent
-            except Exception as exc:
-                header.send(_wire.ERROR, f"{type(exc).__name__}: {exc}")
-                closed = True
-                sender.wait()
-                if prev is not None:
-                    yield prev
-                raise
-            if batch is None:
-                header.send(_wire.END)
-                closed = True
-                sender.wait()
-                if prev is not None:
-                    yield prev
-                return
-            offsets, total = _stream.layout(tensors)
-            header.send_raw(_wire.BATCH, meta, len(batch), total)
-            sender.send(tensors, offsets, total, send_fns)
-            if prev is not None:
-                yield prev
-            prev = batch
-    except GeneratorExit:
-        # the source's caller stopped early: end the stream on the receivers at the same point
-        if not closed:
-            header.send(_wire.ABORT)
-        sender.wait()
-        raise
-
-
-def _recv(name, src, group, device, max_chunk_bytes, timeout):
-    header = _wire.Header(src=src, group=group, device=device, timeout=timeout)
-    piece = _stream.piece_size(max_chunk_bytes)
-    recv = _stream.bcast_fn(header.gsrc, group)
-    prev = None  # (micro-batch, works still filling it)
-    while True:
-        status, n, total, meta = header.recv(name)
-        if status == _wire.BATCH:
+        def receive(desc, n, total):
             flat = torch.empty(total, dtype=torch.uint8, device=device)
-            works = _stream.recv_into(flat, piece, recv)
-            current = (_rebuild(meta, flat), works)
-        if prev is not None and status != _wire.ABORT:
-            for w in prev[1]:
-                w.wait()
-            batch, prev = prev[0], None
-            yield batch
-        if status == _wire.BATCH:
-            prev = current
-            del current
-        elif status == _wire.END:
-            return
-        elif status == _wire.ERROR:
-            raise RuntimeError(f"{name}: the source rank {src} failed: {meta}")
-        elif status == _wire.ABORT:
-            for w in prev[1] if prev is not None else []:
-                w.wait()
-            return
-        else:
-            raise RuntimeError(f"{name}: unknown stream status {status} from rank {src}")
+            return _rebuild(desc, flat), _stream.recv_into(flat, piece, recv)
+
+        yield from _protocol.recv_loop(header, receive, name, src)
+
+
+def scatter_for_ring(
+    samples: Iterable[Sample] | None,
+    *,
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    token_keys: Sequence[str],
+    layout: str = "zigzag",
+    max_chunk_bytes: int = 64 << 20,
+    timeout: float | None = None,
+) -> Iterator[tuple[RingPlan, dict[str, torch.Tensor], list[dict[str, Any]]]]:
+    """Stream ``samples`` from ``src`` so that each rank of the ring ``group`` gets only its shard.
+
+    For each micro-batch (tensor bytes of ``token_keys`` within ``max_chunk_bytes``) the source
+    concatenates the samples' per-token tensors into packed streams, builds the ``RingPlan`` and
+    sends every rank ``plan.shard(packed[key], rank)`` for each key, about 1/world of the bytes.
+    The header carries only ``cu_seqlens`` and the per-sample metadata; every rank rebuilds the
+    (deterministic) plan itself. Iterate it to the end on every rank of ``group``.
+
+    Args:
+        samples: on ``src``, an iterable of dicts; ``sample[key]`` for each of ``token_keys`` is a
+            dense tensor ``(len_i, *rest_key)`` with the same ``len_i`` for all keys of a sample
+            and the same dtype and ``rest_key`` across samples. Other values are per-sample
+            metadata, pickled (tensors among them are moved to the CPU). ``None`` elsewhere.
+        src: rank within ``group`` that owns ``samples``.
+        group: the ring group (default: the world); its size is the plan's ``world_size``.
+        token_keys: the per-token fields to shard (same on every rank, checked).
+        layout: ``RingPlan`` layout, ``"zigzag"`` or ``"contiguous"`` (same on every rank).
+        max_chunk_bytes: budget of one micro-batch's per-token bytes (before sharding) and size
+            of the sender's staging buffers; a sample over it travels alone.
+        timeout: seconds to wait for each micro-batch header (default: the group's timeout).
+
+    Yields:
+        ``(plan, local_tensors, meta)`` on every rank: ``plan`` the micro-batch's ``RingPlan``
+        (``plan.cu_seqlens`` are the packed samples in order), ``local_tensors[key] ==
+        plan.shard(packed[key], rank)`` of shape ``(plan.local_len, *rest_key)`` (pads zero), and
+        ``meta`` the list of per-sample dicts of non-token fields.
+
+    Raises:
+        ValueError on every rank for mismatched ``src``/``token_keys``/``layout``/
+        ``max_chunk_bytes``; RuntimeError on the receivers if the source's iterable raised or a
+        sample is malformed (the source raises the original error).
+    """
+    name = "scatter_for_ring"
+    rank, world = _check_common(name, src, group, max_chunk_bytes)
+    error = _samples_error(name, rank, src, samples)
+    if isinstance(token_keys, (str, bytes)) or not isinstance(token_keys, Sequence):
+        raise TypeError(f"{name}: token_keys must be a sequence of keys, got {token_keys!r}")
+    token_keys = tuple(token_keys)
+    if not token_keys or len(set(token_keys)) != len(token_keys):
+        raise ValueError(f"{name}: token_keys must be non-empty and unique, got {token_keys}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
+    fields = {
+        "kind": 2,
+        "src": src,
+        "max_chunk_bytes": max_chunk_bytes,
+        "token_keys": _wire.fingerprint(repr(token_keys)),
+        "layout": LAYOUTS.index(layout),
+    }
+    side = _scatter_side
+    args = (samples, rank, world, token_keys, layout, max_chunk_bytes)
+    return _stream_gen(name, error, fields, src, group, timeout, side, *args)
+
+
+def _token_budget(token_keys):
+    def budget(sample, index):
+        for key in token_keys:
+            if not isinstance(sample.get(key), torch.Tensor):
+                raise TypeError(
+                    f"samples[{index}][{key!r}] must be a tensor (a token key), got "
+                    f"{type(sample.get(key)).__name__}"
+                )
+            _wire.check_tensor(sample[key], f"samples[{index}][{key!r}]")
+            if sample[key].dim() < 1:
+                raise ValueError(
+                    f"samples[{index}][{key!r}] must have a token dim, got a 0-d tensor"
+                )
+        lengths = {k: sample[k].shape[0] for k in token_keys}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                f"samples[{index}]: every token key must have the same length, got {lengths}"
+            )
+        return sum(_wire.align(_stream.nbytes(sample[k])) for k in token_keys)
+
+    return budget
+
+
+def _pack_tokens(batch: list[Sample], token_keys) -> tuple[list[int], dict, list]:
+    """cu_seqlens, packed per-token tensors and per-key (dtype, rest) of one micro-batch."""
+    first = batch[0]
+    specs = [(k, first[k].dtype, tuple(first[k].shape[1:])) for k in token_keys]
+    cu = [0]
+    for i, sample in enumerate(batch):  # lengths agree inside a sample (checked by the budget)
+        for key, dtype, rest in specs:
+            t = sample[key]
+            if t.dtype != dtype or tuple(t.shape[1:]) != rest:
+                raise ValueError(
+                    f"sample {i} of the micro-batch: {key!r} must be {dtype} of "
+                    f"shape (len, {', '.join(map(str, rest))}) like the first "
+                    f"sample, got {t.dtype} {tuple(t.shape)}"
+                )
+        cu.append(cu[-1] + sample[token_keys[0]].shape[0])
+    packed = {k: torch.cat([s[k] for s in batch], 0) for k in token_keys}
+    return cu, packed, specs
+
+
+def _meta_of(sample: Sample, token_keys) -> dict:
+    return {
+        k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+        for k, v in sample.items()
+        if k not in token_keys
+    }
+
+
+def _scatter_side(name, header, device, samples, rank, world, token_keys, layout, max_chunk):
+    piece = _stream.piece_size(max_chunk)
+    group, src = header.group, header.src
+    if samples is not None:  # the source
+        sender = _stream.Sender(piece, device)
+
+        def prepare(batch):
+            cu, packed, specs = _pack_tokens(batch, token_keys)
+            plan = RingPlan.build(cu, world, layout)
+            meta = [_meta_of(s, token_keys) for s in batch]
+            desc = {"cu": cu, "specs": specs, "meta": meta}
+            with torch.no_grad():
+                own = {k: plan.shard(packed[k], rank) for k in token_keys}
+
+            def start():
+                with torch.no_grad():
+                    for r in range(world):
+                        if r == rank:
+                            continue
+                        shards = [plan.shard(packed[k], r) for k in token_keys]
+                        offsets, total = _stream.layout([_stream.nbytes(t) for t in shards])
+                        send = [_stream.isend_fn(_wire.global_rank(group, r), group)]
+                        sender.send(shards, offsets, total, send)
+                packed.clear()  # the packed micro-batch is not kept while the caller works
+
+            return _wire.dumps_meta(desc, name), cu[-1], start, (plan, own, meta)
+
+        batches = _wire.micro_batches(samples, _token_budget(token_keys), max_chunk)
+        yield from _protocol.send_loop(header, batches, prepare, sender.wait)
+    else:
+        recv = _stream.irecv_fn(header.gsrc, group)
+
+        def receive(desc, n, total):
+            plan = RingPlan.build(desc["cu"], world, layout)
+            shapes = [(plan.local_len, *rest) for _, _, rest in desc["specs"]]
+            sizes = [_stream.spec_nbytes(d, s) for (_, d, _), s in zip(desc["specs"], shapes)]
+            offsets, total = _stream.layout(sizes)
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
+            local = {
+                key: _stream.view_tensor(flat, off, dtype, shape)
+                for (key, dtype, _), shape, off in zip(desc["specs"], shapes, offsets)
+            }
+            value = (plan, local, desc["meta"])
+            return value, _stream.recv_into(flat, piece, recv)
+
+        yield from _protocol.recv_loop(header, receive, name, src)

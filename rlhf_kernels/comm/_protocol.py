@@ -1,0 +1,81 @@
+"""The micro-batch stream protocol, shared by ``broadcast_chunked`` and ``scatter_for_ring``.
+
+Both sides run one micro-batch ahead: header ``i`` is exchanged and payload ``i`` is put in flight
+before micro-batch ``i - 1`` is yielded, so the transfer overlaps the caller's work. The stream
+ends with an END header, an ERROR header (the source's iterable raised; the message travels in
+it) or an ABORT header (the source's caller closed the generator early). In every case all ranks
+yield the same micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import _wire
+
+# prepare(batch) -> (pickled description, payload word, start(), value to yield)
+Prepare = Callable[[list], tuple[bytes, int, Callable[[], None], Any]]
+# receive(description, n_samples, payload word) -> (value to yield, works filling it)
+Receive = Callable[[Any, int, int], tuple[Any, list]]
+
+
+def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, drain) -> Iterator:
+    """Source side. ``batches`` yields lists of samples (it may raise); ``drain()`` waits for
+    every transfer still in flight."""
+    prev, closed = None, False
+    try:
+        while True:
+            try:
+                batch = next(batches, None)
+                if batch is not None:
+                    data, word, start, value = prepare(batch)  # validates; nothing sent yet
+            except Exception as exc:
+                header.send(_wire.ERROR, f"{type(exc).__name__}: {exc}")
+                closed = True
+                drain()
+                if prev is not None:
+                    yield prev
+                raise
+            if batch is None:
+                header.send(_wire.END)
+                closed = True
+                drain()
+                if prev is not None:
+                    yield prev
+                return
+            header.send_raw(_wire.BATCH, data, len(batch), word)
+            start()
+            if prev is not None:
+                yield prev
+            prev = value
+    except GeneratorExit:
+        # the source's caller stopped early: end the stream on the receivers at the same point
+        if not closed:
+            header.send(_wire.ABORT)
+        drain()
+        raise
+
+
+def recv_loop(header: _wire.Header, receive: Receive, who: str, src: int) -> Iterator:
+    """Receiver side, mirror of ``send_loop``."""
+    prev = None  # (value, works still filling it)
+    while True:
+        status, n, word, desc = header.recv(who)
+        if status == _wire.BATCH:
+            current = receive(desc, n, word)
+        if prev is not None:
+            for w in prev[1]:
+                w.wait()
+            if status == _wire.ABORT:  # the source never yielded this one
+                return
+            value, prev = prev[0], None
+            yield value
+        if status == _wire.BATCH:
+            prev, current = current, None
+        elif status == _wire.END or status == _wire.ABORT:
+            return
+        elif status == _wire.ERROR:
+            raise RuntimeError(f"{who}: the source rank {src} failed: {desc}")
+        else:
+            raise RuntimeError(f"{who}: unknown stream status {status} from rank {src}")

@@ -1,0 +1,403 @@
+"""broadcast_chunked / scatter_for_ring / distributed_rollouts on real gloo ranks.
+
+One 3-rank spawn runs every correctness case (each rank checks what it received against samples
+it regenerates from the seed); two 2-rank spawns check that a dead or stalled source raises
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlhf_kernels.comm import broadcast_chunked, distributed_rollouts, scatter_for_ring
+
+pytestmark = pytest.mark.multiproc
+
+BUDGET = 4096
+BIG = 9000  # fp32 elements of the oversize sample: 36 kB, ~9 budgets
+
+
+# ----------------------------------------------------------------------------- harness
+def _entry(fn, rank, world, store, queue, clean_exit):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        queue.put((rank, None, fn(rank, world)))
+    except BaseException:
+        queue.put((rank, traceback.format_exc(), None))
+    queue.close()
+    queue.join_thread()  # flush the result before a hard exit
+    if clean_exit:
+        dist.destroy_process_group()
+    else:
+        os._exit(0)  # the group may be broken on purpose: skip the shutdown handshake
+
+
+def _spawn(fn, world, tmp_path, clean_exit=True, timeout=240):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = str(tmp_path / f"store-{fn.__name__}")
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, store, queue, clean_exit))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, err, res = queue.get(timeout=timeout)
+            if err:
+                errors.append(f"rank {rank}:\n{err}")
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert not errors, "\n".join(errors)
+    return results
+
+
+# ----------------------------------------------------------------------------- samples
+def _mixed_samples(seed: int, n: int) -> list[dict]:
+    """Deterministic rollouts: every dtype of interest, 0-d, empty, non-contiguous, metadata."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(0, 47, (1,), generator=g))
+        out.append(
+            {
+                "input_ids": torch.randint(-(2**40), 2**40, (length,), generator=g),
+                "logp": torch.randn(length, generator=g),
+                "hidden": torch.randn(length, 3, generator=g).bfloat16(),
+                "mask": torch.rand(length, generator=g) > 0.5,
+                "reward": torch.tensor(float(i) / 7),  # 0-d
+                "empty": torch.empty(0, 5, dtype=torch.float16),
+                "strided": torch.randn(6, 4, generator=g).t(),  # non-contiguous
+                "id": i,
+                "info": {"prompt": f"p{i // 3}", "tags": [i, None]},
+            }
+        )
+        if i % 11 == 5:
+            out[-1] = {"id": i, "note": "metadata only"}
+    out.insert(13, {"id": -1, "big": torch.randn(BIG, generator=g), "small": torch.arange(5)})
+    return out
+
+
+def _same(a, b, where=""):
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert (
+            torch.equal(
+                a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+            )
+            if a.numel()
+            else True
+        ), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    else:
+        assert a == b, where
+
+
+def _tensor_bytes(sample):
+    return sum(
+        -(-v.numel() * v.element_size() // 16) * 16
+        for v in sample.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _token_samples(seed: int, n: int, big_at: int | None = None) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = [0, 1, 47, 31, 67, 2, 123][i % 7] if i != big_at else 701
+        out.append(
+            {
+                "input_ids": torch.randint(0, 50_000, (length,), generator=g),
+                "logp": torch.randn(length, generator=g),
+                "hidden": torch.randn(length, 3, generator=g).bfloat16(),
+                "id": i,
+                "reward": torch.tensor(0.5 * i),
+            }
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- 3-rank cases
+def _case_broadcast(rank, world):
+    expected = _mixed_samples(seed=1, n=40)
+    got, sizes = [], []
+    src_samples = expected if rank == 1 else None
+    for mb in broadcast_chunked(src_samples, src=1, max_chunk_bytes=BUDGET):
+        sizes.append(len(mb))
+        # a micro-batch fits the budget, or is one oversize sample
+        assert len(mb) == 1 or sum(map(_tensor_bytes, mb)) <= BUDGET
+        got.extend(mb)
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        _same(a, b, f"sample {i}")
+    assert max(sizes) > 1  # several samples share a micro-batch
+    return sizes
+
+
+def _case_source_raises(rank, world):
+    def failing():
+        for i, s in enumerate(_mixed_samples(seed=2, n=30)):
+            if i == 17:
+                raise ValueError("generation failed at sample 17")
+            yield s
+
+    got = []
+    stream = broadcast_chunked(failing() if rank == 0 else None, src=0, max_chunk_bytes=BUDGET)
+    with pytest.raises(ValueError if rank == 0 else RuntimeError, match="sample 17"):
+        for mb in stream:
+            got.extend(s["id"] for s in mb)
+    # everything before the failure arrived, on every rank
+    assert got == [s["id"] for s in _mixed_samples(seed=2, n=30)[:17]]
+    return got
+
+
+def _case_bad_arguments(rank, world):
+    chunk = BUDGET if rank != 2 else 2 * BUDGET
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        list(
+            broadcast_chunked(
+                [{"x": torch.ones(3)}] if rank == 0 else None, src=0, max_chunk_bytes=chunk
+            )
+        )
+    samples = [{"x": torch.ones(3)}]  # wrongly given on every rank, not only the source
+    with pytest.raises(ValueError, match="samples must be None|invalid arguments"):
+        list(broadcast_chunked(samples, src=0, max_chunk_bytes=BUDGET))
+    keys = ["input_ids", "logp"] if rank != 1 else ["input_ids"]
+    with pytest.raises(ValueError, match="token_keys"):
+        list(
+            scatter_for_ring(
+                _token_samples(3, 4) if rank == 0 else None,
+                src=0,
+                token_keys=keys,
+                max_chunk_bytes=BUDGET,
+            )
+        )
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        broadcast_chunked(None, src=0, max_chunk_bytes=10)  # local check, nothing sent
+    with pytest.raises(ValueError, match="src"):
+        broadcast_chunked(None, src=3)
+    with pytest.raises(ValueError, match="layout"):
+        scatter_for_ring(None, src=0, token_keys=["a"], layout="ring")
+
+
+def _case_source_stops_early(rank, world):
+    expected = _mixed_samples(seed=4, n=40)
+    stream = broadcast_chunked(expected if rank == 2 else None, src=2, max_chunk_bytes=BUDGET)
+    got = []
+    for mb in stream:
+        got.append([s["id"] for s in mb])
+        if rank == 2 and len(got) == 3:
+            stream.close()  # the source's trainer stops: receivers end at the same point
+            break
+    assert len(got) == 3
+    return got
+
+
+def _check_shards(rank, world, plan, local, meta, expected, keys):
+    batch = [expected[m["id"]] for m in meta]
+    packed = {k: torch.cat([s[k] for s in batch]) for k in keys}
+    assert list(plan.cu_seqlens) == [0, *torch.tensor([len(s["logp"]) for s in batch]).cumsum(0)]
+    for k in keys:
+        _same(local[k], plan.shard(packed[k], rank), k)
+        # the shards of all ranks add up exactly to the packed micro-batch
+        shards = [None] * world
+        dist.all_gather_object(shards, local[k])
+        _same(plan.unshard(shards), packed[k], f"unshard {k}")
+    for m in meta:
+        assert m["reward"] == torch.tensor(0.5 * m["id"]) and "logp" not in m
+
+
+def _case_scatter(rank, world):
+    keys = ["input_ids", "logp", "hidden"]
+    out = {}
+    for layout in ("zigzag", "contiguous"):
+        expected = _token_samples(seed=5, n=29, big_at=9)
+        ids, got_bytes, full_bytes = [], 0, 0
+        src_samples = expected if rank == 0 else None
+        stream = scatter_for_ring(
+            src_samples, src=0, token_keys=keys, layout=layout, max_chunk_bytes=BUDGET
+        )
+        for plan, local, meta in stream:
+            assert plan.layout == layout and plan.world_size == world
+            _check_shards(rank, world, plan, local, meta, expected, keys)
+            ids.extend(m["id"] for m in meta)
+            got_bytes += sum(t.numel() * t.element_size() for t in local.values())
+            full_bytes += sum(
+                expected[m["id"]][k].numel() * expected[m["id"]][k].element_size()
+                for m in meta
+                for k in keys
+            )
+        assert ids == list(range(29))
+        # about 1/world of the token bytes (plus zigzag pads)
+        assert got_bytes < 0.5 * full_bytes
+        out[layout] = (got_bytes, full_bytes)
+    return out
+
+
+def _case_scatter_bad_sample(rank, world):
+    samples = _token_samples(seed=6, n=12)
+    samples[8]["logp"] = samples[8]["logp"][:-1]  # lengths disagree inside one sample
+    got = []
+    stream = scatter_for_ring(
+        samples if rank == 1 else None,
+        src=1,
+        token_keys=["input_ids", "logp"],
+        max_chunk_bytes=BUDGET,
+    )
+    with pytest.raises(ValueError if rank == 1 else RuntimeError, match="same length"):
+        for _, _, meta in stream:
+            got.extend(m["id"] for m in meta)
+    return got
+
+
+def _generate(prompts):
+    """Per-prompt deterministic rollouts: 3 samples per prompt."""
+    for p in prompts:
+        for j in range(3):
+            g = torch.Generator().manual_seed(1000 * p + j)
+            length = int(torch.randint(1, 60, (1,), generator=g))
+            yield {
+                "input_ids": torch.randint(0, 100, (length,), generator=g),
+                "logp": torch.randn(length, generator=g),
+                "prompt": p,
+                "j": j,
+            }
+
+
+def _case_distributed(rank, world):
+    prompts = list(range(10))
+    everything = list(_generate(prompts))  # what one rank generating alone produces
+    got = [s for mb in distributed_rollouts(prompts, _generate, max_chunk_bytes=BUDGET) for s in mb]
+    assert len(got) == len(everything)
+    for a, b in zip(got, everything):
+        _same(a, b)
+    keys = ["input_ids", "logp"]
+    ids = []
+    for plan, local, meta in distributed_rollouts(
+        prompts, _generate, token_keys=keys, max_chunk_bytes=BUDGET
+    ):
+        by_id = {(s["prompt"], s["j"]): s for s in everything}
+        ids.extend((m["prompt"], m["j"]) for m in meta)
+        batch = [by_id[(m["prompt"], m["j"])] for m in meta]
+        for k in keys:
+            _same(local[k], plan.shard(torch.cat([s[k] for s in batch]), rank), k)
+    assert ids == [(s["prompt"], s["j"]) for s in everything]
+
+
+def _all_cases(rank, world):
+    out = {}
+    for case in (
+        _case_broadcast,
+        _case_source_raises,
+        _case_bad_arguments,
+        _case_source_stops_early,
+        _case_scatter,
+        _case_scatter_bad_sample,
+        _case_distributed,
+    ):
+        out[case.__name__] = case(rank, world)
+    return out
+
+
+def test_three_ranks_all_cases(tmp_path):
+    res = _spawn(_all_cases, 3, tmp_path)
+    # micro-batch boundaries and delivered samples agree across ranks
+    for name in (
+        "_case_broadcast",
+        "_case_source_raises",
+        "_case_source_stops_early",
+        "_case_scatter_bad_sample",
+    ):
+        assert res[0][name] == res[1][name] == res[2][name], name
+    assert res[0]["_case_scatter_bad_sample"] == list(range(8))
+    # each rank receives ~1/3 of the token bytes; together ~all of them (pads only)
+    for layout in ("zigzag", "contiguous"):
+        full = res[0]["_case_scatter"][layout][1]
+        total = sum(res[r]["_case_scatter"][layout][0] for r in range(3))
+        assert full <= total < 1.3 * full
+
+
+# ----------------------------------------------------------------------------- failures
+def _source_dies(rank, world):
+    def dying():
+        for i in range(100):
+            if i == 20:
+                os._exit(3)  # the source process crashes mid-stream
+            yield {"x": torch.randn(500), "id": i}
+
+    got = []
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        for mb in broadcast_chunked(dying() if rank == 0 else None, src=0, max_chunk_bytes=BUDGET):
+            got.extend(s["id"] for s in mb)
+    return time.monotonic() - start, got
+
+
+def test_source_death_raises_on_receivers(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_entry, args=(_source_dies, r, 2, store, queue, False)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    rank, err, res = queue.get(timeout=120)  # only the receiver reports
+    for p in procs:
+        p.join(30)
+    assert rank == 1 and err is None, err
+    elapsed, got = res
+    assert elapsed < 30 and got == list(range(len(got))) and len(got) < 20
+    assert procs[0].exitcode == 3
+
+
+def _source_stalls(rank, world):
+    def slow():
+        for i in range(10):
+            if i == 4:
+                time.sleep(4)
+            yield {"x": torch.randn(500), "id": i}
+
+    got = []
+    with pytest.raises(RuntimeError, match="timeout|closed|reset"):
+        # the receiver gives up after 0.5 s and exits; the source then sees a closed peer
+        for mb in broadcast_chunked(
+            slow() if rank == 0 else None,
+            src=0,
+            max_chunk_bytes=BUDGET,
+            timeout=0.5 if rank == 1 else None,
+        ):
+            got.extend(s["id"] for s in mb)
+    return got
+
+
+def test_stalled_source_times_out(tmp_path):
+    res = _spawn(_source_stalls, 2, tmp_path, clean_exit=False)
+    assert res[1] == res[0][: len(res[1])]
