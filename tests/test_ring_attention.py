@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
 from rlhf_kernels.ring.attention import ring_varlen_attention
+from rlhf_kernels.ring.gather import gather_from_ring, ring_token_mean
 from rlhf_kernels.ring.plan import RingPlan
 from rlhf_kernels.ring.spawn import run_gloo
 
@@ -109,23 +110,54 @@ def _bad_input_cases(rank, world):
     attempt("plan", lambda: ring_varlen_attention(q, q, q, mine))
     heads = q if rank else torch.randn(plan.local_len, 4, 8)  # rank 0 has other heads
     attempt("heads", lambda: ring_varlen_attention(heads, q, q, plan))
-    if world > 2:  # a sub-group without the last rank: that rank is outside it
-        sub = dist.new_group(list(range(world - 1)))
+    if world > 2:  # a sub-group of ranks 1..W-1 (group ranks != global ranks); rank 0 is outside
+        sub = dist.new_group(list(range(1, world)))
         sub_plan = RingPlan.build(_cu(LENGTHS), world - 1)
-        x = torch.randn(sub_plan.local_len, 2, 8)
-        attempt("outside", lambda: ring_varlen_attention(x, x, x, sub_plan, group=sub))
-        # the members of the sub-group still work together afterwards
-        if rank < world - 1:
-            out = ring_varlen_attention(x, x, x, sub_plan, group=sub)
-            raised["sub_ok"] = bool(torch.isfinite(out).all())
+        inputs, ref = _reference("causal_gqa", seed=1)
+        sr = max(rank - 1, 0)
+        q2, k2, v2 = (sub_plan.shard(t, sr).float().requires_grad_() for t in inputs[:3])
+        if rank == 0:
+            attempt("outside", lambda: ring_varlen_attention(q2, k2, v2, sub_plan, group=sub))
+        else:
+            out = ring_varlen_attention(q2, k2, v2, sub_plan, group=sub)
+            out.backward(sub_plan.shard(inputs[3], sr).float())
+            got = (out, q2.grad, k2.grad, v2.grad)
+            raised["sub_err"] = max(
+                (a.double() - sub_plan.shard(b, sr)).abs().max().item() for a, b in zip(got, ref)
+            )
     # still usable after the errors: a good call goes through
     out = ring_varlen_attention(q, q, q, plan)
     raised["after"] = bool(torch.isfinite(out).all())
     return raised
 
 
+def _helper_cases(rank, world):
+    """gather_from_ring and ring_token_mean against the whole stream."""
+    plan = RingPlan.build(_cu(LENGTHS), world)
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(sum(LENGTHS), 3, generator=g, dtype=torch.float64)
+    mask_full = torch.rand(sum(LENGTHS), generator=g) > 0.3
+    local = plan.shard(full, rank)
+    res = {"all": torch.equal(gather_from_ring(local, plan), full)}
+    at1 = gather_from_ring(local, plan, dst=1)
+    res["dst"] = torch.equal(at1, full) if rank == 1 else at1 is None
+    values = local[:, 0].clone().requires_grad_()
+    share = ring_token_mean(values, plan.shard(mask_full, rank))
+    share.backward()
+    total = share.detach().clone()
+    dist.all_reduce(total)
+    res["mean"] = abs(total.item() - full[mask_full, 0].mean().item())
+    expect_grad = plan.shard(mask_full.double() / mask_full.sum(), rank)
+    res["grad"] = (values.grad - expect_grad).abs().max().item()
+    return res
+
+
 def _worker(rank, world):
-    return _attention_cases(rank, world), _bad_input_cases(rank, world)
+    return (
+        _attention_cases(rank, world),
+        _bad_input_cases(rank, world),
+        _helper_cases(rank, world),
+    )
 
 
 _ERRORS = {}
@@ -135,7 +167,7 @@ _ERRORS = {}
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_attention_matches_single_device(world):
     results = run_gloo(_worker, world, timeout_s=240)
-    errors, raised = results[0]
+    errors = results[0][0]
     worst = {name: max(e.values()) for name, e in errors.items()}
     _ERRORS[world] = max(worst.values())
     print(f"world {world}: max error {_ERRORS[world]:.2e}")
@@ -143,16 +175,18 @@ def test_ring_attention_matches_single_device(world):
     bad = {name: e for name, e in errors.items() if max(e.values()) > TOL}
     assert not bad, f"errors above {TOL}: {bad}"
     # bad input: every rank raised (the last rank's own error, or the group-wide one)
-    for rank, (_, r) in enumerate(results):
+    for rank, (_, r, helpers) in enumerate(results):
+        assert helpers["all"] and helpers["dst"]
+        assert helpers["mean"] < 1e-12 and helpers["grad"] < 1e-12
         assert r["world"] and f"world_size={world + 1}" in r["world"]
         assert r["length"] and ("local_len" in r["length"] or "rank(s) [" in r["length"])
         assert r["plan"] and "disagree" in r["plan"]
         assert r["heads"] and "disagree" in r["heads"]
         if world > 2:
-            if rank == world - 1:
+            if rank == 0:
                 assert r["outside"] and "not a member" in r["outside"]
             else:
-                assert r["outside"] is None and r["sub_ok"]
+                assert r["sub_err"] <= TOL
         assert r["after"]
     assert "local_len" in results[-1][1]["length"]
     assert f"rank(s) [{world - 1}]" in results[0][1]["length"]

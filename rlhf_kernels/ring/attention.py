@@ -90,6 +90,10 @@ class _Spec:
         self.causal, self.scale, self.softcap = causal, scale, softcap
         self.left, self.right = window[0], (0 if causal else window[1])
         self.window, self.comm, self.stride, self.tile = window, comm, stride, tile
+        if self.world > 1:  # P2P peers are global ranks
+            nxt, prv = (rank + 1) % self.world, (rank - 1) % self.world
+            glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+            self.next_peer, self.prev_peer = glob(nxt), glob(prv)
 
     def pairs(self, src):
         return tile_pairs(self.plan, self.rank, src, self.causal, self.window, self.tile)
@@ -173,10 +177,9 @@ def _backward_block(spec, q, k, v, do, lse, delta, pairs, dq, dk, dv):
 def _exchange(spec, send):
     """Send ``send`` to the next rank and receive the previous rank's tensor (async)."""
     recv = torch.empty_like(send)
-    nxt, prv = (spec.rank + 1) % spec.world, (spec.rank - 1) % spec.world
     ops = [
-        dist.P2POp(dist.isend, send, group=spec.group, group_peer=nxt),
-        dist.P2POp(dist.irecv, recv, group=spec.group, group_peer=prv),
+        dist.P2POp(dist.isend, send, spec.next_peer, group=spec.group),
+        dist.P2POp(dist.irecv, recv, spec.prev_peer, group=spec.group),
     ]
     return dist.batch_isend_irecv(ops), recv
 
@@ -251,7 +254,7 @@ def _ring_backward(spec, q, k, v, out, lse, dout):
     g = q.shape[1] // k.shape[1]
     if spec.comm == "p2p" or spec.world == 1:
         kv = torch.stack([k, v]).contiguous()
-        d_reqs = None
+        d_reqs, d_in = None, None
         for step in range(spec.world):
             if step < spec.world - 1:
                 kv_reqs, kv_next = _exchange(spec, kv)
