@@ -26,7 +26,9 @@ if os.environ.get("RLHF_KERNELS_NO_EXT") != "1":
         if use_cuda:
             flags["nvcc"] = ["-O3", "-std=c++17"]
             ext = cpp_extension.CUDAExtension(
-                "rlhf_kernels._C", cpp + cu, extra_compile_args=flags,
+                "rlhf_kernels._C",
+                cpp + cu,
+                extra_compile_args=flags,
                 define_macros=[("WITH_CUDA", None)],
             )
         else:

@@ -14,8 +14,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"{name} must be 1-D with at least one entry, got shape "
-                         f"{tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"{name} must be 1-D with at least one entry, got shape {tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
     cu = cu_seqlens.tolist()
@@ -23,8 +24,10 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
     for i in range(1, len(cu)):
         if cu[i] < cu[i - 1]:
-            raise ValueError(f"{name} must be non-decreasing, but {name}[{i}]={cu[i]} < "
-                             f"{name}[{i - 1}]={cu[i - 1]}")
+            raise ValueError(
+                f"{name} must be non-decreasing, but {name}[{i}]={cu[i]} < "
+                f"{name}[{i - 1}]={cu[i - 1]}"
+            )
     if cu[-1] != total:
         raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
     return cu

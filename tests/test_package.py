@@ -12,7 +12,9 @@ def test_every_export_resolves():
 
 
 def test_import_does_not_pull_heavy_modules():
-    code = ("import sys, rlhf_kernels; "
-            "print(','.join(m for m in ('triton', 'transformers', 'deepspeed') if m in sys.modules))")
+    code = (
+        "import sys, rlhf_kernels; "
+        "print(','.join(m for m in ('triton', 'transformers', 'deepspeed') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

@@ -35,7 +35,7 @@ def _dense_reference(q, k, v, lens_q, lens_k, causal, window, softcap):
     oq = ok = 0
     for lq, lk in zip(lens_q, lens_k):
         m = attention_mask(lq, lk, causal, window)
-        mask[oq:oq + lq, ok:ok + lk] = True if m is None else m
+        mask[oq : oq + lq, ok : ok + lk] = True if m is None else m
         oq, ok = oq + lq, ok + lk
     s = torch.einsum("qhd,khd->hqk", q, kk) / q.shape[-1] ** 0.5
     if softcap:
@@ -51,8 +51,9 @@ def _dense_reference(q, k, v, lens_q, lens_k, causal, window, softcap):
 def test_reference_matches_dense_whole_pack(causal, window, softcap):
     lens_k = [3, 5, 47, 0, 31, 6]  # lq <= lk and lq > lk: bottom-right alignment, empty rows
     q, k, v = _qkv(LENS, lens_k)
-    out, lse = varlen_attention_reference(q, k, v, _cu(LENS), _cu(lens_k), causal=causal,
-                                          window_size=window, softcap=softcap)
+    out, lse = varlen_attention_reference(
+        q, k, v, _cu(LENS), _cu(lens_k), causal=causal, window_size=window, softcap=softcap
+    )
     out_d, lse_d = _dense_reference(q, k, v, LENS, lens_k, causal, window, softcap)
     torch.testing.assert_close(out, out_d, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse, lse_d, rtol=1e-10, atol=1e-10)
@@ -72,15 +73,27 @@ def test_torch_backend_fp32_forward_backward(causal, window, softcap, return_lse
     q64, k64, v64 = _qkv(LENS, LENS)
     for t in (q64, k64, v64):
         t.requires_grad_(True)
-    ref, ref_lse = varlen_attention_reference(q64, k64, v64, _cu(LENS), _cu(LENS), causal=causal,
-                                              window_size=window, softcap=softcap)
+    ref, ref_lse = varlen_attention_reference(
+        q64, k64, v64, _cu(LENS), _cu(LENS), causal=causal, window_size=window, softcap=softcap
+    )
     do = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do)
 
     q, k, v = (t.detach().float().requires_grad_(True) for t in (q64, k64, v64))
-    res = varlen_attention(q, k, v, _cu(LENS), _cu(LENS), max(LENS), max(LENS), causal=causal,
-                           window_size=window, softcap=softcap, return_lse=return_lse,
-                           backend="torch")
+    res = varlen_attention(
+        q,
+        k,
+        v,
+        _cu(LENS),
+        _cu(LENS),
+        max(LENS),
+        max(LENS),
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        return_lse=return_lse,
+        backend="torch",
+    )
     out = res[0] if return_lse else res
     assert out.dtype == torch.float32 and out.shape == q.shape
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
@@ -111,8 +124,15 @@ def test_torch_backend_low_precision_within_twice_plain_torch(dtype, causal, win
 def test_gqa_matches_expanded_heads():
     q, k, v = _qkv(LENS, LENS, heads=6, kv_heads=2)
     out = varlen_attention(q, k, v, _cu(LENS), _cu(LENS), causal=True, backend="torch")
-    full = varlen_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), _cu(LENS),
-                            _cu(LENS), causal=True, backend="torch")
+    full = varlen_attention(
+        q,
+        k.repeat_interleave(3, 1),
+        v.repeat_interleave(3, 1),
+        _cu(LENS),
+        _cu(LENS),
+        causal=True,
+        backend="torch",
+    )
     torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
 
 
@@ -144,23 +164,43 @@ def _args(**over):
     return args
 
 
-@pytest.mark.parametrize("over,exc,match", [
-    (dict(q=torch.randn(7, 4)), ValueError, "q must be"),
-    (dict(k=torch.randn(7, 2, 32), v=torch.randn(7, 2, 32)), ValueError, "head_dim"),
-    (dict(k=torch.randn(7, 3, 40), v=torch.randn(7, 3, 40)), ValueError, "multiple of kv heads"),
-    (dict(v=torch.randn(7, 2, 40, dtype=torch.float16)), TypeError, "share a dtype"),
-    (dict(q=torch.randint(0, 3, (7, 4, 40))), TypeError, "q must be float"),
-    (dict(cu_seqlens_q=torch.tensor([0, 5, 3, 7], dtype=torch.int32)), ValueError,
-     "non-decreasing"),
-    (dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError, r"\[0\] must be 0"),
-    (dict(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError,
-     "must equal the packed length 7"),
-    (dict(cu_seqlens_q=torch.tensor([0, 3.0, 7])), TypeError, "int32 or int64"),
-    (dict(cu_seqlens_q=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "same number"),
-    (dict(q=torch.randn(7, 4, 300), k=torch.randn(7, 2, 300), v=torch.randn(7, 2, 300)),
-     ValueError, "<= 256"),
-    (dict(q=torch.randn(7, 4, 40, device="meta")), ValueError, "same device"),
-])
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(q=torch.randn(7, 4)), ValueError, "q must be"),
+        (dict(k=torch.randn(7, 2, 32), v=torch.randn(7, 2, 32)), ValueError, "head_dim"),
+        (
+            dict(k=torch.randn(7, 3, 40), v=torch.randn(7, 3, 40)),
+            ValueError,
+            "multiple of kv heads",
+        ),
+        (dict(v=torch.randn(7, 2, 40, dtype=torch.float16)), TypeError, "share a dtype"),
+        (dict(q=torch.randint(0, 3, (7, 4, 40))), TypeError, "q must be float"),
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 5, 3, 7], dtype=torch.int32)),
+            ValueError,
+            "non-decreasing",
+        ),
+        (
+            dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)),
+            ValueError,
+            r"\[0\] must be 0",
+        ),
+        (
+            dict(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)),
+            ValueError,
+            "must equal the packed length 7",
+        ),
+        (dict(cu_seqlens_q=torch.tensor([0, 3.0, 7])), TypeError, "int32 or int64"),
+        (dict(cu_seqlens_q=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "same number"),
+        (
+            dict(q=torch.randn(7, 4, 300), k=torch.randn(7, 2, 300), v=torch.randn(7, 2, 300)),
+            ValueError,
+            "<= 256",
+        ),
+        (dict(q=torch.randn(7, 4, 40, device="meta")), ValueError, "same device"),
+    ],
+)
 def test_bad_input_raises_before_work(over, exc, match):
     with pytest.raises(exc, match=match):
         varlen_attention(**_args(**over))

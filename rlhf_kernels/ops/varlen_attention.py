@@ -28,8 +28,9 @@ BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 # ----------------------------------------------------------------------------- reference math
-def attention_mask(lq: int, lk: int, causal: bool, window_size: tuple[int, int],
-                   device=None) -> torch.Tensor | None:
+def attention_mask(
+    lq: int, lk: int, causal: bool, window_size: tuple[int, int], device=None
+) -> torch.Tensor | None:
     """Boolean ``(lq, lk)`` visibility mask of one sequence, or None when everything is visible."""
     left, right = window_size
     if causal:
@@ -64,8 +65,18 @@ def _sequence_attention(q, k, v, scale, causal, window_size, softcap, dropout_p=
     return torch.matmul(p, v), lse
 
 
-def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None,
-                               causal=False, window_size=(-1, -1), softcap=0.0, upcast=False):
+def varlen_attention_reference(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    upcast=False,
+):
     """Readable reference: a loop over sequences with dense per-sequence math.
 
     Computes in q's dtype unless ``upcast`` (then fp32 for half types). Used as the float64 ground
@@ -79,9 +90,9 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scal
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
-        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1).to(cdt)
-        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).to(cdt)
-        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1).to(cdt)
+        qs = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1).to(cdt)
+        ks = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1).to(cdt)
+        vs = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1).to(cdt)
         if kv_heads != heads:
             ks = ks.repeat_interleave(heads // kv_heads, dim=0)
             vs = vs.repeat_interleave(heads // kv_heads, dim=0)
@@ -95,8 +106,9 @@ def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scal
 
 
 # ----------------------------------------------------------------------------- torch backend
-def _torch_varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window_size, softcap,
-                            dropout_p, return_lse):
+def _torch_varlen_attention(
+    q, k, v, cu_q, cu_k, scale, causal, window_size, softcap, dropout_p, return_lse
+):
     """Per-sequence loop. Memory is bounded by the longest sequence, never by the whole pack.
 
     Plain causal/full self-attention without lse uses SDPA (fused on CPU and CUDA); everything
@@ -109,20 +121,26 @@ def _torch_varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window_size, sof
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
-        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
-        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        qs = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
+        ks = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
+        vs = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
         if plain and lk > 0 and (not causal or lq == lk):
             o = F.scaled_dot_product_attention(
-                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), dropout_p=dropout_p,
-                is_causal=causal and lq > 0, scale=scale, enable_gqa=group > 1,
+                qs.unsqueeze(0),
+                ks.unsqueeze(0),
+                vs.unsqueeze(0),
+                dropout_p=dropout_p,
+                is_causal=causal and lq > 0,
+                scale=scale,
+                enable_gqa=group > 1,
             )[0]
             outs.append(o.transpose(0, 1))
             continue
         if group > 1:
             ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
-        o, lse = _sequence_attention(qs.to(cdt), ks.to(cdt), vs.to(cdt), scale, causal,
-                                     window_size, softcap, dropout_p)
+        o, lse = _sequence_attention(
+            qs.to(cdt), ks.to(cdt), vs.to(cdt), scale, causal, window_size, softcap, dropout_p
+        )
         outs.append(o.transpose(0, 1).to(q.dtype))
         lses.append(lse.float())
     out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
@@ -133,36 +151,44 @@ def _torch_varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window_size, sof
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                  window_size, softcap):
+def _check_inputs(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, window_size, softcap
+):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
-            raise ValueError(f"{name} must be (total_tokens, heads, head_dim), got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be (total_tokens, heads, head_dim), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float32/float16/bfloat16/float64, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) must match")
     if q.shape[2] > 256:
         raise ValueError(f"head_dim must be <= 256, got {q.shape[2]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of kv heads of k "
-                         f"({k.shape[1]})")
+        raise ValueError(
+            f"heads of q ({q.shape[1]}) must be a multiple of kv heads of k ({k.shape[1]})"
+        )
     cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     if len(cu_q) != len(cu_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
-                         f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}")
-    for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q),
-                            ("max_seqlen_k", max_seqlen_k, cu_k)):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+            f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}"
+        )
+    for name, given, cu in (
+        ("max_seqlen_q", max_seqlen_q, cu_q),
+        ("max_seqlen_k", max_seqlen_k, cu_k),
+    ):
         longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
         if given is not None and int(given) < longest:
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
@@ -196,9 +222,22 @@ def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float) -> str:
 
 
 # ----------------------------------------------------------------------------- public API
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                     softcap=0.0, return_lse=False, backend="auto"):
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    return_lse=False,
+    backend="auto",
+):
     """Attention over packed sequences; a drop-in for ``flash_attn_varlen_func``.
 
     Args:
@@ -220,8 +259,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         out ``(total_q, heads, head_dim)`` in q's dtype, or ``(out, lse)``. Differentiable in
         q, k, v (through ``out``; the lse is for merging partial results, as in flash-attn).
     """
-    cu_q, cu_k = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p, window_size, softcap)
+    cu_q, cu_k = _check_inputs(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        window_size,
+        softcap,
+    )
     backend = resolve_backend(backend, q, dropout_p)
     if backend == "flash_attn" and q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"backend='flash_attn' needs fp16/bf16, got {q.dtype}")
@@ -233,19 +282,41 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         max_seqlen_k = max((b - a for a, b in zip(cu_k[:-1], cu_k[1:])), default=0)
 
     if backend == "torch":
-        return _torch_varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window_size,
-                                       float(softcap), dropout_p, return_lse)
+        return _torch_varlen_attention(
+            q, k, v, cu_q, cu_k, scale, causal, window_size, float(softcap), dropout_p, return_lse
+        )
     if backend == "triton":
         from rlhf_kernels.ops.varlen_attention_triton import triton_varlen_attention
 
-        out, lse = triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                           int(max_seqlen_k), scale, causal, window_size,
-                                           float(softcap))
+        out, lse = triton_varlen_attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            scale,
+            causal,
+            window_size,
+            float(softcap),
+        )
         return (out, lse) if return_lse else out
     from flash_attn import flash_attn_varlen_func
 
-    res = flash_attn_varlen_func(q, k, v, cu_seqlens_q.int(), cu_seqlens_k.int(),
-                                 int(max_seqlen_q), int(max_seqlen_k), dropout_p=dropout_p,
-                                 softmax_scale=scale, causal=causal, window_size=window_size,
-                                 softcap=float(softcap), return_attn_probs=return_lse)
+    res = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q.int(),
+        cu_seqlens_k.int(),
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=float(softcap),
+        return_attn_probs=return_lse,
+    )
     return (res[0], res[1]) if return_lse else res
