@@ -20,14 +20,20 @@ from rlhf_kernels.ops.varlen_attention import varlen_attention, varlen_attention
 from rlhf_kernels.ops.varlen_attention_triton import triton_varlen_attention
 
 # (id, lens_q, lens_k (None = self-attention), heads, kv_heads, head_dim, causal, window, softcap)
+# Interpreter blocks are 16 x 16; lengths and windows are chosen so that a block is "just"
+# partial somewhere (one masked entry), where an off-by-one in a loop bound or in the
+# fully-visible-tile shortcut would change the result.
 CASES = [
-    ("full_mqa_d40", [5, 1, 0, 33], None, 2, 1, 40, False, (-1, -1), 0.0),
+    # 47 = 2 * 16 + 15: the last key block has exactly one padding column
+    ("full_mqa_d40", [5, 1, 0, 47], None, 2, 1, 40, False, (-1, -1), 0.0),
     ("causal_gqa_d64", [17, 1, 0, 31], None, 4, 2, 64, True, (-1, -1), 0.0),
-    # seq 0/1: lq < lk; seq 2: lq > lk (first rows see nothing); seq 3: no keys at all
-    ("cross_causal_gqa_d24", [7, 3, 20, 4], [12, 9, 3, 0], 4, 2, 24, True, (-1, -1), 0.0),
-    ("window_left_causal_softcap_d40", [47, 9], None, 4, 2, 40, True, (6, -1), 1.5),
+    # lq < lk (seq 1: lk - lq = 14, block (0, 0) hides one key from row 0); lq > lk (first rows
+    # of seq 2 see nothing); seq 3 has no keys at all
+    ("cross_causal_gqa_d24", [7, 18, 20, 4], [12, 32, 3, 0], 4, 2, 24, True, (-1, -1), 0.0),
+    # left = 30 (= 14 mod 16): block (32, 16) hides one key from row 47
+    ("window_left_causal_softcap_d40", [48, 9], None, 4, 2, 40, True, (30, -1), 1.5),
     # left = right = 1 (mod 16): the first/last key or query a block needs sits just across a
-    # 16-wide block edge, so an off-by-one in the per-block loop bounds drops it
+    # 16-wide block edge
     ("window_left_right_gqa_d64", [19, 1, 40], None, 4, 2, 64, False, (17, 1), 0.0),
     # lq = 0 with lk > 0 (those keys get zero grads), lq > lk with a window (empty rows)
     ("cross_window_softcap_mqa_d96", [9, 0, 20], [14, 6, 5], 2, 1, 96, False, (3, 2), 2.0),

@@ -37,6 +37,7 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+# fmt: off
 # ----------------------------------------------------------------------------- shared pieces
 @triton.jit
 def _dot(a, b, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
@@ -58,56 +59,44 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(
-    q,
-    k,
-    rows,
-    cols,
-    lq,
-    lk,
-    diff,
-    left,
-    right,
-    scale,
-    softcap,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """Masked scores of a ``(BLOCK_M, BLOCK_N)`` tile in log2 units, and tanh (softcap backward).
+def _scores(q, k, start_m, start_n, lq, lk, diff, left, right, scale, softcap,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+            DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Masked scores of the tile (rows ``start_m + [0, BLOCK_M)``, keys ``start_n + [0, BLOCK_N)``
+    of one sequence) in log2 units, and tanh of the scaled scores (for the softcap backward).
 
-    ``rows``/``cols`` are positions inside the sequence; query ``i`` sits at key ``i + diff``
-    (``diff = lk - lq``, bottom-right alignment). Masked entries are ``-inf``.
+    Query ``i`` sits at key ``i + diff`` (``diff = lk - lq``, bottom-right alignment). Masked
+    entries are ``-inf``; tiles that the mask leaves fully visible skip the mask arithmetic.
     """
     s = _dot(q, tl.trans(k), DOT_PREC, DOT_F32) * scale
     t = s
     if SOFTCAP:
         t = _tanh(s / softcap)
         s = softcap * t
-    valid = (rows[:, None] < lq) & (cols[None, :] < lk)
-    qpos = rows[:, None] + diff
-    if HAS_RIGHT:
-        valid = valid & (cols[None, :] <= qpos + right)
-    if HAS_LEFT:
-        valid = valid & (cols[None, :] >= qpos - left)
-    s = tl.where(valid, s * LOG2E, float("-inf"))
+    s = s * LOG2E
+    partial = (start_m + BLOCK_M > lq) | (start_n + BLOCK_N > lk)
+    if HAS_RIGHT:  # last key vs the first row's right edge
+        partial = partial | (start_n + BLOCK_N - 1 > start_m + diff + right)
+    if HAS_LEFT:  # first key vs the last row's left edge
+        partial = partial | (start_n < start_m + BLOCK_M - 1 + diff - left)
+    if partial:
+        rows = start_m + tl.arange(0, BLOCK_M)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        valid = (rows[:, None] < lq) & (cols[None, :] < lk)
+        qpos = rows[:, None] + diff
+        if HAS_RIGHT:
+            valid = valid & (cols[None, :] <= qpos + right)
+        if HAS_LEFT:
+            valid = valid & (cols[None, :] >= qpos - left)
+        s = tl.where(valid, s, float("-inf"))
     return s, t
 
 
 @triton.jit
 def _key_range(
-    start_m,
-    lq,
-    lk,
-    diff,
-    left,
-    right,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    start_m, lq, lk, diff, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``[lo, hi)`` keys that rows ``start_m .. start_m + BLOCK_M - 1`` may see; lo is aligned."""
     lo = start_m * 0
@@ -123,16 +112,8 @@ def _key_range(
 
 @triton.jit
 def _query_range(
-    start_n,
-    lq,
-    lk,
-    diff,
-    left,
-    right,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    start_n, lq, lk, diff, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``[lo, hi)`` queries that may see keys ``start_n .. start_n + BLOCK_N - 1``."""
     # key j is visible to query i  <=>  i + diff - left <= j <= i + diff + right
@@ -150,34 +131,10 @@ def _query_range(
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    CU_Q,
-    CU_K,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_ot,
-    stride_oh,
-    stride_lh,
-    scale,
-    softcap,
-    left,
-    right,
-    head_dim,
-    GROUP: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    Q, K, V, O, LSE, CU_Q, CU_K, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+    stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # k and v share shape and strides (contiguous copies made by the host wrapper)
     start_m = tl.program_id(0) * BLOCK_M
@@ -199,8 +156,7 @@ def _fwd_kernel(
     q_tok = (q0 + rows).to(tl.int64)
     q = tl.load(
         Q + q_tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=(rows[:, None] < lq) & d_ok,
-        other=0.0,
+        mask=(rows[:, None] < lq) & d_ok, other=0.0,
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
@@ -213,22 +169,8 @@ def _fwd_kernel(
         kv_mask = (cols[:, None] < lk) & d_ok
         k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
         s, _ = _scores(
-            q,
-            k,
-            rows,
-            cols,
-            lq,
-            lk,
-            diff,
-            left,
-            right,
-            scale,
-            softcap,
-            HAS_LEFT,
-            HAS_RIGHT,
-            SOFTCAP,
-            DOT_PREC,
-            DOT_F32,
+            q, k, start_m, start_n, lq, lk, diff, left, right, scale, softcap, HAS_LEFT,
+            HAS_RIGHT, SOFTCAP, DOT_PREC, DOT_F32, BLOCK_M, BLOCK_N,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -246,8 +188,7 @@ def _fwd_kernel(
     row_ok = rows < lq
     tl.store(
         O + q_tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok,
+        out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok,
     )
     tl.store(LSE + h * stride_lh + q_tok, lse, mask=row_ok)
 
@@ -255,18 +196,8 @@ def _fwd_kernel(
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _bwd_delta_kernel(
-    O,
-    DO,
-    DELTA,
-    total,
-    stride_ot,
-    stride_oh,
-    stride_dt,
-    stride_dh,
-    stride_lh,
-    head_dim,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    O, DO, DELTA, total, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh, head_dim,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # DELTA (H, total_q) fp32 = rowsum(dO * O)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -286,35 +217,10 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    CU_Q,
-    CU_K,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_lh,
-    scale,
-    softcap,
-    left,
-    right,
-    head_dim,
-    GROUP: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # q/dO share strides; k/v/dk/dv share strides (contiguous); lse/delta are (H, total_q).
     start_n = tl.program_id(0) * BLOCK_N
@@ -353,22 +259,8 @@ def _bwd_dkdv_kernel(
             lse = tl.load(LSE + h * stride_lh + q_tok, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + h * stride_lh + q_tok, mask=row_ok, other=0.0)
             s, t = _scores(
-                q,
-                k,
-                rows,
-                cols,
-                lq,
-                lk,
-                diff,
-                left,
-                right,
-                scale,
-                softcap,
-                HAS_LEFT,
-                HAS_RIGHT,
-                SOFTCAP,
-                DOT_PREC,
-                DOT_F32,
+                q, k, start_m, start_n, lq, lk, diff, left, right, scale, softcap, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, DOT_PREC, DOT_F32, BLOCK_M, BLOCK_N,
             )
             # a row with lse == -inf sees no key: all its s are -inf, so p == 0 with lse -> 0
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
@@ -387,34 +279,10 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    CU_Q,
-    CU_K,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_lh,
-    scale,
-    softcap,
-    left,
-    right,
-    head_dim,
-    GROUP: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, stride_qt, stride_qh, stride_kt, stride_kh, stride_lh,
+    scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # q/dO/dQ share strides; k/v share strides (contiguous); lse/delta are (H, total_q).
     start_m = tl.program_id(0) * BLOCK_M
@@ -451,22 +319,8 @@ def _bwd_dq_kernel(
         k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
         s, t = _scores(
-            q,
-            k,
-            rows,
-            cols,
-            lq,
-            lk,
-            diff,
-            left,
-            right,
-            scale,
-            softcap,
-            HAS_LEFT,
-            HAS_RIGHT,
-            SOFTCAP,
-            DOT_PREC,
-            DOT_F32,
+            q, k, start_m, start_n, lq, lk, diff, left, right, scale, softcap, HAS_LEFT,
+            HAS_RIGHT, SOFTCAP, DOT_PREC, DOT_F32, BLOCK_M, BLOCK_N,
         )
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), DOT_PREC, DOT_F32)
@@ -477,6 +331,9 @@ def _bwd_dq_kernel(
 
     dq = dq * scale
     tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+# fmt: on
 
 
 # ----------------------------------------------------------------------------- host side
