@@ -158,3 +158,22 @@ def test_bad_input():
         discounted_returns(torch.ones(3, dtype=torch.long), gamma=1.0, mask=torch.ones(3))
     with pytest.raises(ValueError, match="backend must be one of"):
         discounted_returns(r, gamma=1.0, cu_seqlens=torch.tensor([0, 10]), backend="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_backends_match_loop():
+    backends = ["torch", "triton"]
+    if gae_mod._native_supports(torch.device("cuda")):
+        backends.append("native")
+    for B, T in [(3, 5003), (1, 40000)]:  # long rows: many blocks / many chunks per thread
+        x = torch.randn(B, T, dtype=torch.float64)
+        c = torch.rand(B, T, dtype=torch.float64) * 0.999
+        c[:, ::997] = 0.0  # segment ends
+        ref = gae_mod.reverse_scan_loop(x, c)
+        for b in backends:
+            out = reverse_scan(x.float().cuda(), c.float().cuda(), backend=b)
+            torch.testing.assert_close(out.double().cpu(), ref, atol=1e-4, rtol=1e-4, msg=b)
+    r, v, mask = _padded(B=6, T=301)
+    ref_a, ref_r = loop_gae(r, v, mask, 0.99, 0.95)
+    a, ret = gae(r.float().cuda(), v.float().cuda(), gamma=0.99, lam=0.95, mask=mask.cuda())
+    torch.testing.assert_close(a.double().cpu(), ref_a, atol=1e-5, rtol=1e-5)

@@ -142,3 +142,16 @@ def test_nll_loss_paths_temperature_and_bf16(small_budget, monkeypatch):
         for a, r in zip(args, ref_args):
             assert a.grad.dtype == dtype
             torch.testing.assert_close(a.grad.double(), r.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_within_twice_torch():
+    h, w, b, labels = _inputs(dtype=torch.bfloat16)
+    h, w, b, labels = h.cuda(), w.cuda(), b.cuda(), labels.cuda()
+    w_lp, w_ent = torch.randn(T, device="cuda"), torch.randn(T, device="cuda")
+    out = _grads(_ours(labels, 1.0, chunk_tokens=32, chunk_vocab=512), h, w, b, w_lp, w_ent)
+    torch_bf16 = _grads(_ref(labels, 1.0), h, w, b, w_lp, w_ent)
+    ref = _grads(_ref(labels, 1.0), h.double(), w.double(), b.double(), w_lp, w_ent)
+    for i, (o, t, r) in enumerate(zip(out, torch_bf16, ref)):
+        err = (o.double() - r).abs().max()
+        assert err <= 2 * (t.double() - r).abs().max(), i

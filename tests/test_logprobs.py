@@ -106,3 +106,17 @@ def test_bad_input():
         logprobs_from_logits(z, torch.zeros(4, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match="backend must be one of"):
         logprobs_from_logits(z, torch.zeros(4, dtype=torch.long), backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_triton(dtype):
+    R, V = 67, 50257  # several vocab blocks per row
+    logits = (torch.randn(R, V) * 2).to(dtype)
+    labels = torch.randint(0, V, (R,))
+    w_lp, w_ent = torch.randn(R), torch.randn(R)
+    out = _run(logits.cuda(), labels.cuda(), 0.9, "auto", w_lp.cuda(), w_ent.cuda())
+    ref = _ref(logits, labels, 0.9, w_lp, w_ent)
+    for o, r in zip(out, ref):
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(o.double().cpu(), r, atol=tol, rtol=tol)

@@ -64,29 +64,41 @@ def _torch_includes():
     return cpp_extension.include_paths()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_source_compiles_with_nvcc(tmp_path):
-    incs = _torch_includes()
-    needed = Path("c10", "cuda", "impl", "cuda_cmake_macros.h")  # only in CUDA builds of torch
-    if not any(Path(p, needed).exists() for p in incs):
-        pytest.skip(f"torch's CUDA headers ({needed}) are absent: CPU-only torch build")
     import sysconfig
 
+    incs = _torch_includes()
+    if not any(Path(p, "c10", "cuda", "CUDAStream.h").exists() for p in incs):
+        pytest.skip("torch's c10/cuda headers are absent")
+    # CPU wheels ship the c10/cuda headers but not this one generated header (it only says
+    # whether c10_cuda is a shared library); supply it so the .cu can be compiled anyway.
+    macros = Path("c10", "cuda", "impl", "cuda_cmake_macros.h")
+    extra = []
+    if not any(Path(p, macros).exists() for p in incs):
+        (tmp_path / macros).parent.mkdir(parents=True)
+        (tmp_path / macros).write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        extra = ["-I" + str(tmp_path)]
     src = glob.glob(str(ROOT / "csrc" / "*.cu"))
     assert src, "no CUDA sources in csrc/"
     for s in src:
-        cmd = [
-            "nvcc",
-            "-c",
-            s,
-            "-o",
-            str(tmp_path / (Path(s).stem + ".o")),
-            "-std=c++17",
-            "-DWITH_CUDA",
-            "-DTORCH_EXTENSION_NAME=_C",
-            "-Xcompiler",
-            "-fPIC",
-            "-I" + sysconfig.get_paths()["include"],
-        ] + ["-I" + p for p in incs]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        cmd = (
+            [
+                "nvcc",
+                "-c",
+                s,
+                "-o",
+                str(tmp_path / (Path(s).stem + ".o")),
+                "-std=c++17",
+                "-DWITH_CUDA",
+                "-DTORCH_EXTENSION_NAME=_C",
+                "-Xcompiler",
+                "-fPIC",
+                "-I" + sysconfig.get_paths()["include"],
+            ]
+            + extra
+            + ["-I" + p for p in incs]
+        )
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert res.returncode == 0, res.stderr[-3000:]

@@ -44,30 +44,45 @@ def _rows_per_chunk(V: int) -> int:
     return max(1, _CHUNK_ELEMS // max(V, 1))
 
 
+def _row_buffers(z):
+    """Two reusable fp32 ``(rows, V)`` buffers: no fresh allocation per row chunk."""
+    rows = min(_rows_per_chunk(z.shape[1]), z.shape[0])
+    return [torch.empty(rows, z.shape[1], dtype=torch.float32, device=z.device) for _ in "ab"]
+
+
 def _forward_torch(z, labels, tau, want_entropy):
     R, _ = z.shape
     lse = torch.empty(R, dtype=torch.float32, device=z.device)
     logp = torch.empty_like(lse)
     ent = torch.empty_like(lse) if want_entropy else None
     step = _rows_per_chunk(z.shape[1])
+    buf_u, buf_e = _row_buffers(z)
     for s in range(0, R, step):
-        u = z[s : s + step].float() / tau  # (rows, V) fp32: the only upcast copy
-        m = torch.logsumexp(u, dim=-1)
-        lse[s : s + step] = m
-        logp[s : s + step] = u.gather(1, labels[s : s + step, None]).squeeze(1) - m
-        if want_entropy:
-            u.sub_(m[:, None])  # log p
-            ent[s : s + step] = -(u.exp() * u).sum(-1)
+        sl = slice(s, s + step)
+        n = z[sl].shape[0]
+        u = torch.div(z[sl], tau, out=buf_u[:n])  # (rows, V) fp32: the only upcast copy
+        m = u.amax(1)
+        u.sub_(m[:, None])  # u - max <= 0
+        e = torch.exp(u, out=buf_e[:n])
+        log_s = torch.log(e.sum(1))
+        lse[sl] = m + log_s
+        logp[sl] = u.gather(1, labels[sl, None])[:, 0] - log_s
+        if want_entropy:  # H = log s - sum(e * (u - m)) / s
+            ent[sl] = log_s - torch.bmm(e[:, None], u[:, :, None])[:, 0, 0] / log_s.exp()
     return logp, ent, lse
 
 
 def _backward_torch(z, labels, tau, lse, ent, g_logp, g_ent):
     grad = torch.empty_like(z)
     step = _rows_per_chunk(z.shape[1])
+    buf_u, buf_p = _row_buffers(z)
+    g_logp = g_logp / tau  # fold d u / d z = 1 / tau into the upstream gradients
+    g_ent = None if g_ent is None else g_ent / tau
     for s in range(0, z.shape[0], step):
         sl = slice(s, s + step)
-        logp_all = z[sl].float() / tau - lse[sl, None]
-        p = logp_all.exp()
+        n = z[sl].shape[0]
+        logp_all = torch.div(z[sl], tau, out=buf_u[:n]).sub_(lse[sl, None])
+        p = torch.exp(logp_all, out=buf_p[:n])
         if g_ent is not None:
             # -p * (log p + H) * g_H, then the log-prob term
             g = logp_all.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
@@ -75,7 +90,7 @@ def _backward_torch(z, labels, tau, lse, ent, g_logp, g_ent):
         else:
             g = p.mul_(-g_logp[sl, None])
         g.scatter_add_(1, labels[sl, None], g_logp[sl, None])
-        grad[sl] = g.div_(tau)
+        grad[sl] = g
     return grad
 
 
