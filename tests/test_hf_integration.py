@@ -147,6 +147,24 @@ def test_rejects_masks_it_cannot_honour(tmp_path_factory):
     assert torch.isfinite(out).all()
 
 
+def test_register_named_backend(tmp_path_factory):
+    eager, ours = _models("llama", tmp_path_factory)
+    name = hf.register("rlhf_kernels_torch", backend="torch")
+    ids = _samples([9])[0][None]
+    ours.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            got = ours(input_ids=ids, use_cache=False).logits
+            want = eager(input_ids=ids, use_cache=False).logits
+    finally:
+        ours.set_attn_implementation("rlhf_kernels")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        hf.register(backend="cuda")
+    with pytest.raises(ValueError, match="new attn_implementation"):
+        hf.register("sdpa")
+
+
 def test_position_id_segments_cached_per_tensor():
     pos = torch.tensor([[0, 1, 2, 0, 0, 1, 5, 6]])
     cu, longest = hf._segments_from_position_ids(pos)

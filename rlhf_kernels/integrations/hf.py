@@ -35,10 +35,20 @@ from typing import Any
 
 import torch
 
-from rlhf_kernels.ops.varlen_attention import varlen_attention
+from rlhf_kernels.ops.varlen_attention import BACKENDS, varlen_attention
 from rlhf_kernels.packing import IGNORE_INDEX, pack_sequences
 
 ATTN_NAME = "rlhf_kernels"
+# transformers' own implementations: register() must not replace them
+_BUILTIN_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flex_attention",
+    "paged|eager",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
 
 
 # ----------------------------------------------------------------------------- ring contract
@@ -313,6 +323,10 @@ def register(name: str = ATTN_NAME, backend: str = "auto") -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(name, str) or not name or name in _BUILTIN_IMPLEMENTATIONS:
+        raise ValueError(f"name must be a new attn_implementation string, got {name!r}")
     if backend == "auto":
         fn = rlhf_attention_forward
     else:
