@@ -121,9 +121,9 @@ def ring_worker(rank, world, total, comm, layout, warmup, iters):
     """Run warmup + iters synchronised steps; returns this rank's times and peak RSS growth."""
     step, plan = make_step(rank, world, total, comm, layout)
     run = _synced(step, world)
+    mem, times = PeakRSS(), []  # from before the first step: the allocator keeps freed pages
     for _ in range(warmup):
         run()
-    mem, times = PeakRSS(), []
     for _ in range(iters):
         t0 = time.perf_counter()
         run()
@@ -150,9 +150,9 @@ def single_worker(rank, world, total, warmup, iters):
         q.grad = k.grad = v.grad = None
         varlen_attention(q, k, v, cu, cu, causal=True, backend="torch").backward(do)
 
+    mem, times = PeakRSS(), []
     for _ in range(warmup):
         step()
-    mem, times = PeakRSS(), []
     for _ in range(iters):
         t0 = time.perf_counter()
         step()
@@ -201,7 +201,7 @@ def test_ring_fwd_bwd(benchmark, quick, world, comm):
             timeout=datetime.timedelta(seconds=300),
         )
         step, plan = make_step(0, world, total, comm)
-        mem = PeakRSS()
+        mem = PeakRSS()  # covers the warm-up round too
         # helpers run 1 warm-up + `rounds` steps: the same count as this pedantic call
         benchmark.pedantic(_synced(step, world), rounds=rounds, warmup_rounds=1, iterations=1)
         peak = mem.stop()

@@ -35,6 +35,11 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # torch >= 2.13 names; older releases call them *_tensor (same semantics, flat dim 0)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# fused CPU flash kernel (fp32 math, returns lse; its backward takes the final out and lse)
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_cpu_backward = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
 
 
 # ----------------------------------------------------------------------------- tile schedule
@@ -90,6 +95,7 @@ class _Spec:
         self.causal, self.scale, self.softcap = causal, scale, softcap
         self.left, self.right = window[0], (0 if causal else window[1])
         self.window, self.comm, self.stride, self.tile = window, comm, stride, tile
+        self.fused = False  # set per call: fused CPU kernel for all-visible / diagonal tiles
         if self.world > 1:  # P2P peers are global ranks
             nxt, prv = (rank + 1) % self.world, (rank - 1) % self.world
             glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
@@ -127,6 +133,40 @@ def _groups_to_heads(x, h, t):
     return x.reshape(h, t, x.shape[-1]).permute(1, 0, 2)
 
 
+def _fused_causal(spec, ta, tb, mask):
+    """None: explicit math; False/True: the tile can use the fused CPU flash kernel (all visible,
+    or the aligned causal diagonal), with that ``is_causal``."""
+    if not spec.fused:
+        return None
+    if mask is None:
+        return False
+    if spec.right == 0 and spec.left < 0 and mask[0] == mask[1] and ta == tb:
+        return True
+    return None
+
+
+def _expand_kv(x, g):
+    """``(t, KVH, D)`` -> ``(1, H, t, D)`` with each kv head repeated for its ``g`` query heads."""
+    x = x.transpose(0, 1)
+    return (x.repeat_interleave(g, dim=0) if g > 1 else x).unsqueeze(0)
+
+
+def _rows(x, start, n):
+    """Rows ``start:start+n`` of ``(L, H, D)`` as ``(1, H, n, D)``."""
+    return x[start : start + n].transpose(0, 1).unsqueeze(0)
+
+
+def _merge(acc_o, acc_lse, qs, ta, o, lse):
+    """Fold a partial result (o ``(ta, H, D)``, normalised; lse ``(H, ta)``) into the running
+    accumulators."""
+    old = acc_lse[:, qs : qs + ta]
+    new = torch.logaddexp(old, lse)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    w_old, w_new = torch.exp(old - safe).T.unsqueeze(-1), torch.exp(lse - safe).T.unsqueeze(-1)
+    acc_o[qs : qs + ta] = acc_o[qs : qs + ta] * w_old + o * w_new
+    acc_lse[:, qs : qs + ta] = new
+
+
 def _forward_block(spec, q, k, v, pairs, acc_o, acc_lse):
     """Merge one key block into the running (out, lse). q/acc in compute dtype.
 
@@ -134,32 +174,57 @@ def _forward_block(spec, q, k, v, pairs, acc_o, acc_lse):
     """
     h, kvh = q.shape[1], k.shape[1]
     for qs, ta, ks, tb, mask in pairs:
-        qh = _heads_to_groups(q[qs : qs + ta], kvh)
         kt = k[ks : ks + tb].to(q.dtype)
         vt = v[ks : ks + tb].to(q.dtype)
+        fused = _fused_causal(spec, ta, tb, mask)
+        if fused is not None:
+            o, lse = _flash_cpu(
+                _rows(q, qs, ta),
+                _expand_kv(kt, h // kvh),
+                _expand_kv(vt, h // kvh),
+                0.0,
+                fused,
+                scale=spec.scale,
+            )
+            _merge(acc_o, acc_lse, qs, ta, o[0].transpose(0, 1), lse[0])
+            continue
+        qh = _heads_to_groups(q[qs : qs + ta], kvh)
         s, _ = _scores(spec, qh, kt, mask, ta, tb, q.device)
         lse = torch.logsumexp(s, -1)  # (KVH, g*ta)
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
         o = _groups_to_heads(torch.matmul(p, vt.transpose(0, 1)), h, ta)  # (ta, H, D)
-        lse = lse.reshape(h, ta)
-        old = acc_lse[:, qs : qs + ta]
-        new = torch.logaddexp(old, lse)
-        safe = torch.where(torch.isinf(new), 0.0, new)
-        w_old, w_new = torch.exp(old - safe).T.unsqueeze(-1), torch.exp(lse - safe).T.unsqueeze(-1)
-        acc_o[qs : qs + ta] = acc_o[qs : qs + ta] * w_old + o * w_new
-        acc_lse[:, qs : qs + ta] = new
+        _merge(acc_o, acc_lse, qs, ta, o, lse.reshape(h, ta))
 
 
-def _backward_block(spec, q, k, v, do, lse, delta, pairs, dq, dk, dv):
-    """Gradients of one key block. q/do/dq ``(Lq, H, D)``, lse/delta ``(H, Lq)`` (final, merged),
-    k/v ``(Lk, KVH, D)``, dk/dv ``(Lk, KVH, D)`` accumulators; all in compute dtype except k/v."""
+def _backward_block(spec, q, k, v, out, do, lse, delta, pairs, dq, dk, dv):
+    """Gradients of one key block. q/out/do/dq ``(Lq, H, D)``, lse/delta ``(H, Lq)`` (final,
+    merged), k/v ``(Lk, KVH, D)``, dk/dv ``(Lk, KVH, D)`` accumulators; compute dtype except k/v.
+    """
     h, kvh = q.shape[1], k.shape[1]
+    g = h // kvh
     safe_lse = torch.where(torch.isinf(lse), 0.0, lse)
     for qs, ta, ks, tb, mask in pairs:
-        qh = _heads_to_groups(q[qs : qs + ta], kvh)
-        doh = _heads_to_groups(do[qs : qs + ta], kvh)
         kt = k[ks : ks + tb].to(q.dtype)
         vt = v[ks : ks + tb].to(q.dtype)
+        fused = _fused_causal(spec, ta, tb, mask)
+        if fused is not None:  # the kernel takes the final out/lse: exact per-block gradients
+            gq, gk, gv = _flash_cpu_backward(
+                _rows(do, qs, ta),
+                _rows(q, qs, ta),
+                _expand_kv(kt, g),
+                _expand_kv(vt, g),
+                _rows(out, qs, ta),
+                lse[:, qs : qs + ta].unsqueeze(0).contiguous(),
+                0.0,
+                fused,
+                scale=spec.scale,
+            )
+            dq[qs : qs + ta] += gq[0].transpose(0, 1)
+            dk[ks : ks + tb] += gk[0].view(kvh, g, tb, -1).sum(1).transpose(0, 1)
+            dv[ks : ks + tb] += gv[0].view(kvh, g, tb, -1).sum(1).transpose(0, 1)
+            continue
+        qh = _heads_to_groups(q[qs : qs + ta], kvh)
+        doh = _heads_to_groups(do[qs : qs + ta], kvh)
         s, t = _scores(spec, qh, kt, mask, ta, tb, q.device)
         rows_lse = safe_lse[:, qs : qs + ta].reshape(kvh, -1, 1)
         p = torch.exp(s - rows_lse)  # (KVH, g*ta, tb); 0 where masked
@@ -218,6 +283,8 @@ def _ring_forward(spec, q, k, v):
     qc = q.to(cdt)
     acc_o = torch.zeros(q.shape, dtype=cdt, device=q.device)
     acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=cdt, device=q.device)
+    if q.shape[0] == 0:  # empty stream: every rank knows it from the plan, nothing to send
+        return acc_o, acc_lse
     g = q.shape[1] // k.shape[1]
     if spec.comm == "p2p" or spec.world == 1:
         kv = torch.stack([k, v]).contiguous()  # (2, L, KVH, D): one message per hop
@@ -248,10 +315,12 @@ def _ring_forward(spec, q, k, v):
 
 def _ring_backward(spec, q, k, v, out, lse, dout):
     cdt = lse.dtype
-    qc, do = q.to(cdt), dout.to(cdt)
-    delta = (do * out.to(cdt)).sum(-1).T.contiguous()  # (H, L)
+    qc, do, outc = q.to(cdt), dout.to(cdt), out.to(cdt)
+    delta = (do * outc).sum(-1).T.contiguous()  # (H, L)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     g = q.shape[1] // k.shape[1]
+    if q.shape[0] == 0:
+        return dq, torch.zeros_like(k, dtype=cdt), torch.zeros_like(v, dtype=cdt)
     if spec.comm == "p2p" or spec.world == 1:
         kv = torch.stack([k, v]).contiguous()
         d_reqs, d_in = None, None
@@ -261,7 +330,7 @@ def _ring_backward(spec, q, k, v, out, lse, dout):
             src = (spec.rank - step) % spec.world
             dkv = torch.zeros(kv.shape, dtype=cdt, device=q.device)
             _backward_block(
-                spec, qc, kv[0], kv[1], do, lse, delta, spec.pairs(src), dq, dkv[0], dkv[1]
+                spec, qc, kv[0], kv[1], outc, do, lse, delta, spec.pairs(src), dq, dkv[0], dkv[1]
             )
             if d_reqs is not None:  # dK/dV of this block from the ranks that saw it before
                 _wait(d_reqs)
@@ -293,6 +362,7 @@ def _ring_backward(spec, q, k, v, out, lse, dout):
                 qc[:, hq],
                 kv[src, 0],
                 kv[src, 1],
+                outc[:, hq],
                 do[:, hq],
                 lse[hq],
                 delta[hq],
@@ -329,31 +399,32 @@ _REASONS = {
     1: "the plan was built for another world size than the group's",
     2: "a q/k/v shard does not have the plan's local length",
     3: "invalid q/k/v or options",
+    4: "q/k/v/plan of the wrong type or dtype",
 }
 
 
 def _local_problem(q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile):
-    """Checks that need no communication: (code, message) or (0, '')."""
+    """Checks that need no communication: (code, message); 0 = fine, 4 = a TypeError."""
     if not isinstance(plan, RingPlan):
-        return 3, f"plan must be a RingPlan, got {type(plan).__name__}"
+        return 4, f"plan must be a RingPlan, got {type(plan).__name__}"
     if plan.world_size != world:
         return 1, (
             f"plan was built for world_size={plan.world_size}, but the group has {world} ranks"
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            return 3, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+            return 4, f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if t.dim() != 3:
             return 3, f"{name} must be (local_tokens, heads, head_dim), got {tuple(t.shape)}"
         if t.dtype not in _DTYPES:
-            return 3, f"{name} must be float32/float16/bfloat16/float64, got {t.dtype}"
+            return 4, f"{name} must be float32/float16/bfloat16/float64, got {t.dtype}"
         if t.shape[0] != plan.local_len:
             return 2, (
                 f"{name} must hold the plan's local_len={plan.local_len} tokens, got "
                 f"shape {tuple(t.shape)}"
             )
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        return 3, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        return 4, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if k.shape != v.shape or k.shape[2] != q.shape[2]:
         return (
             3,
@@ -386,7 +457,7 @@ def _validate(
     )
     if world == 1 or not dist.is_initialized():
         if code:
-            raise (TypeError if "must be a" in msg else ValueError)(msg)
+            raise (TypeError if code == 4 else ValueError)(msg)
         return
     facts = [code]
     if code == 0:
@@ -410,7 +481,7 @@ def _validate(
     _all_gather(every, mine, group=group)
     every = every.view(world, -1).cpu().tolist()
     if code:
-        raise (TypeError if "must be a" in msg else ValueError)(
+        raise (TypeError if code == 4 else ValueError)(
             f"ring_varlen_attention: {msg} (every rank of the group raises)"
         )
     bad = [r for r, f in enumerate(every) if f[0]]
@@ -445,6 +516,7 @@ def ring_varlen_attention(
     tile: int = DEFAULT_TILE,
     validate: bool = True,
     return_lse: bool = False,
+    fused: bool = True,
 ):
     """Attention of a packed stream split over a ring group; each rank passes its shard.
 
@@ -471,6 +543,8 @@ def ring_varlen_attention(
         validate: check arguments and plan agreement across the group first (one all_gather of
             ~18 ints and a host sync); every rank raises the same error instead of hanging.
         return_lse: also return the lse ``(heads, local_len)`` fp32 (``-inf`` for pads).
+        fused: on CPU, tiles that are all visible or the aligned causal diagonal (no softcap,
+            not float64) use torch's fused flash kernel; False forces the explicit math.
 
     Returns:
         out ``(local_len, heads, head_dim)`` in q's dtype (pad rows 0), or ``(out, lse)``.
@@ -498,6 +572,14 @@ def ring_varlen_attention(
     window = (int(window_size[0]), int(window_size[1]))
     spec = _Spec(
         plan, group, rank, bool(causal), scale, window, float(softcap), comm, kv_head_stride, tile
+    )
+    spec.fused = (
+        _flash_cpu is not None
+        and _flash_cpu_backward is not None
+        and fused
+        and q.device.type == "cpu"
+        and q.dtype != torch.float64
+        and spec.softcap == 0
     )
     out, lse = _RingAttention.apply(q, k, v, spec)
     return (out, lse) if return_lse else out

@@ -1,0 +1,148 @@
+"""Ring attention pieces that need no process group: world size 1, the tile schedule, checks."""
+
+import pytest
+import torch
+
+from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
+from rlhf_kernels.ring.attention import ring_varlen_attention, tile_pairs
+from rlhf_kernels.ring.plan import RingPlan
+
+LENGTHS = [1, 47, 2, 31, 67]
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _inputs(heads, kv_heads, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(LENGTHS)
+    return [
+        torch.randn(total, h, dim, generator=g, dtype=torch.float64)
+        for h in (heads, kv_heads, kv_heads, heads)
+    ]
+
+
+def _run_ring(plan, q, k, v, do, dtype, **kw):
+    q, k, v = (plan.shard(t, 0).to(dtype).requires_grad_() for t in (q, k, v))
+    out = ring_varlen_attention(q, k, v, plan, **kw)
+    out.backward(plan.shard(do, 0).to(dtype))
+    return [plan.unshard([t]) for t in (out, q.grad, k.grad, v.grad)]
+
+
+def _run_reference(q, k, v, do, dtype, causal, window, softcap):
+    q, k, v = (t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v))
+    cu = _cu(LENGTHS)
+    out, _ = varlen_attention_reference(
+        q, k, v, cu, cu, causal=causal, window_size=window, softcap=softcap
+    )
+    out.backward(do.to(dtype))
+    return [out, q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize(
+    "causal,window,softcap,kv_heads,tile",
+    [
+        (True, (-1, -1), 0.0, 2, 1024),
+        (True, (6, 0), 0.0, 1, 5),
+        (False, (4, 9), 0.0, 2, 16),
+        (True, (-1, -1), 3.0, 4, 13),
+    ],
+)
+def test_world_one_matches_reference(layout, causal, window, softcap, kv_heads, tile):
+    q, k, v, do = _inputs(4, kv_heads)
+    plan = RingPlan.build(_cu(LENGTHS), 1, layout)
+    ref = _run_reference(q, k, v, do, torch.float64, causal, window, softcap)
+    got = _run_ring(
+        plan,
+        q,
+        k,
+        v,
+        do,
+        torch.float64,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        tile=tile,
+    )
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_bf16_error_within_twice_plain_torch():
+    q, k, v, do = _inputs(4, 2, dim=32)
+    plan = RingPlan.build(_cu(LENGTHS), 1)
+    ref = _run_reference(q, k, v, do, torch.float64, True, (-1, -1), 0.0)
+    plain = _run_reference(q, k, v, do, torch.bfloat16, True, (-1, -1), 0.0)
+    got = _run_ring(plan, q, k, v, do, torch.bfloat16)
+    for name, a, p, r in zip(("out", "dq", "dk", "dv"), got, plain, ref):
+        assert a.dtype == torch.bfloat16
+        err, plain_err = (a.double() - r).abs().max(), (p.double() - r).abs().max()
+        assert err <= 2 * plain_err, (name, err.item(), plain_err.item())
+
+
+def test_fully_masked_blocks_are_skipped():
+    plan = RingPlan.build(_cu([64, 32]), 4, "contiguous")  # 24 slots per rank
+    # causal: rank 0's queries never see keys that live on later ranks
+    for src in (1, 2, 3):
+        assert tile_pairs(plan, 0, src, True, (-1, -1), 1024) == []
+    assert tile_pairs(plan, 3, 0, True, (-1, -1), 1024) == []  # other document
+    assert tile_pairs(plan, 0, 1, False, (-1, -1), 1024) != []
+    # tiles cover every visible pair exactly once, with a tile no larger than asked
+    for layout in ("zigzag", "contiguous"):
+        plan = RingPlan.build(_cu([37, 1, 50]), 3, layout)
+        for window in ((-1, -1), (7, 0)):
+            work = plan.attention_work(True, window)
+            for rank in range(3):
+                seen = 0
+                for src in range(3):
+                    for qs, ta, ks, tb, mask in tile_pairs(plan, rank, src, True, window, 8):
+                        assert ta <= 8 and tb <= 8
+                        qp = plan.pos[rank][qs : qs + ta].unsqueeze(1)
+                        kp = plan.pos[src][ks : ks + tb].unsqueeze(0)
+                        vis = kp <= qp
+                        if window[0] >= 0:
+                            vis &= kp >= qp - window[0]
+                        assert vis.any()
+                        assert (mask is not None) or vis.all()
+                        seen += int(vis.sum())
+                assert seen == int(work[rank])
+
+
+def test_bad_input_without_process_group():
+    plan = RingPlan.build(_cu(LENGTHS), 1)
+    x = torch.randn(plan.local_len, 2, 8)
+    with pytest.raises(ValueError, match="local_len"):
+        ring_varlen_attention(x[:-1], x, x, plan)
+    with pytest.raises(ValueError, match="comm"):
+        ring_varlen_attention(x, x, x, plan, comm="ring")
+    with pytest.raises(TypeError, match="RingPlan"):
+        ring_varlen_attention(x, x, x, "plan")
+    with pytest.raises(TypeError, match="dtype"):
+        ring_varlen_attention(x, x.double(), x, plan)
+    with pytest.raises(ValueError, match="kv heads"):
+        ring_varlen_attention(
+            x, torch.randn(plan.local_len, 3, 8), torch.randn(plan.local_len, 3, 8), plan
+        )
+    with pytest.raises(ValueError, match="world_size=2"):
+        ring_varlen_attention(x, x, x, RingPlan.build(_cu([plan.local_len]), 2))
+
+
+def test_empty_stream():
+    plan = RingPlan.build(torch.tensor([0, 0], dtype=torch.int32), 1)
+    x = torch.zeros(0, 2, 8, requires_grad=True)
+    out = ring_varlen_attention(x, x, x, plan)
+    out.sum().backward()
+    assert out.shape == (0, 2, 8) and x.grad.shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_fp32_fused_and_explicit_tiles(fused, layout):
+    q, k, v, do = _inputs(4, 2)
+    plan = RingPlan.build(_cu(LENGTHS), 1, layout)
+    ref = _run_reference(q, k, v, do, torch.float64, True, (-1, -1), 0.0)
+    got = _run_ring(plan, q, k, v, do, torch.float32, fused=fused, tile=16)
+    for a, b in zip(got, ref):
+        assert (a.double() - b).abs().max() < 1e-5
