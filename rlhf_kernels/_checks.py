@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+# id(tensor) -> (weakref, version counter, validated list). Every layer of a model checks the same
+# cu_seqlens tensor; the cache turns all but the first check into a dict hit (no host sync).
+_VALIDATED: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+_CACHE_SIZE = 64
+
+
+def _cached(t: torch.Tensor) -> list[int] | None:
+    hit = _VALIDATED.get(id(t))
+    if hit is None or hit[0]() is not t:
+        return None
+    try:
+        return hit[2] if hit[1] == t._version else None
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _remember(t: torch.Tensor, cu: list[int]) -> None:
+    try:
+        version = t._version
+    except RuntimeError:
+        return
+    if len(_VALIDATED) >= _CACHE_SIZE:
+        _VALIDATED.clear()
+    _VALIDATED[id(t)] = (weakref.ref(t), version, cu)
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
     """Validate a ``cu_seqlens`` tensor against a packed length and return it as a Python list.
 
     Invariants: 1-D integer tensor, ``cu_seqlens[0] == 0``, non-decreasing,
-    ``cu_seqlens[-1] == total``. (One small host copy: the check reads the values.)
+    ``cu_seqlens[-1] == total``. The check reads the values (one small host copy); a tensor
+    already validated and not modified since is not read again.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -19,6 +47,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         )
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+    cu = _cached(cu_seqlens)
+    if cu is not None:
+        if cu[-1] != total:
+            raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
+        return cu
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
@@ -30,6 +63,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
             )
     if cu[-1] != total:
         raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
+    _remember(cu_seqlens, cu)
     return cu
 
 

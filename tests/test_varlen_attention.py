@@ -219,3 +219,16 @@ def test_bad_options_raise():
         varlen_attention(**_args(), softcap=-1.0)
     with pytest.raises(ValueError, match="dropout_p"):
         varlen_attention(**_args(), dropout_p=1.5)
+
+
+def test_cu_seqlens_validation_is_cached_but_sees_in_place_edits():
+    from rlhf_kernels._checks import check_cu_seqlens
+
+    cu = _cu([3, 4])
+    assert check_cu_seqlens(cu, 7) == [0, 3, 7]
+    assert check_cu_seqlens(cu, 7) == [0, 3, 7]  # cached
+    with pytest.raises(ValueError, match="packed length 8"):
+        check_cu_seqlens(cu, 8)
+    cu[1] = 9  # bumps the version counter: must be re-read and rejected
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_cu_seqlens(cu, 7)
