@@ -65,12 +65,12 @@ def recv_loop(header: _wire.Header, receive: Receive, who: str, src: int) -> Ite
         if status == _wire.BATCH:
             current = receive(desc, n, word)
         if prev is not None:
-            for w in prev[1]:
-                w.wait()
+            _wait_all(prev[1])  # (a loop variable here would pin the last piece's buffer)
             if status == _wire.ABORT:  # the source never yielded this one
                 return
             value, prev = prev[0], None
             yield value
+            del value  # hold nothing of a yielded micro-batch while receiving the next
         if status == _wire.BATCH:
             prev, current = current, None
         elif status == _wire.END or status == _wire.ABORT:
@@ -79,3 +79,8 @@ def recv_loop(header: _wire.Header, receive: Receive, who: str, src: int) -> Ite
             raise RuntimeError(f"{who}: the source rank {src} failed: {desc}")
         else:
             raise RuntimeError(f"{who}: unknown stream status {status} from rank {src}")
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
+        work.wait()

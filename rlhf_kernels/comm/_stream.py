@@ -101,6 +101,45 @@ class Sender:
             self.works[slot] = []
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class RecvPool:
+    """A few fixed receive blocks of ``piece_bytes``, recycled once nobody references them.
+
+    A micro-batch is received into a free block and handed out as views of it; the block is
+    free again when the caller has dropped every view (storage use count, read with
+    ``torch._C._storage_Use_Count``, back to the pool's own reference), so in steady state no
+    memory is allocated at all. When every block is still held by the caller (it keeps
+    micro-batches) or for an oversize sample, a fresh buffer is allocated instead: never a
+    reuse of memory somebody can still see.
+    """
+
+    def __init__(self, piece_bytes: int, device: torch.device, size: int = 3):
+        self.piece_bytes, self.device, self.size = piece_bytes, device, size
+        self.blocks: list[torch.Tensor] = []
+
+    @staticmethod
+    def _refs(block: torch.Tensor) -> int:
+        return _use_count(block.untyped_storage()._cdata) if _use_count is not None else -1
+
+    def _free(self, block: torch.Tensor) -> bool:
+        return _use_count is not None and self._refs(block) == self.unused_refs
+
+    def take(self, total: int) -> torch.Tensor:
+        """A uint8 ``(total,)`` buffer nobody else references."""
+        if 0 < total <= self.piece_bytes:
+            for block in self.blocks:
+                if self._free(block):
+                    return block[:total]
+            if len(self.blocks) < self.size:
+                block = torch.empty(self.piece_bytes, dtype=torch.uint8, device=self.device)
+                self.unused_refs = self._refs(block)  # the pool's own reference, as counted
+                self.blocks.append(block)
+                return block[:total]
+        return torch.empty(total, dtype=torch.uint8, device=self.device)
+
+
 def recv_into(flat: torch.Tensor, piece_bytes: int, recv_fn) -> list:
     """Issue async receives of ``flat`` (uint8) in ``piece_bytes`` pieces; returns the works."""
     return [

@@ -180,9 +180,10 @@ def _broadcast_side(name, header, device, samples, max_chunk_bytes):
         yield from _protocol.send_loop(header, batches, prepare, sender.wait)
     else:
         recv = _stream.bcast_fn(header.gsrc, group)
+        pool = _stream.RecvPool(piece, device)
 
         def receive(desc, n, total):
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
+            flat = pool.take(total)
             return _rebuild(desc, flat), _stream.recv_into(flat, piece, recv)
 
         yield from _protocol.recv_loop(header, receive, name, src)
@@ -333,13 +334,14 @@ def _scatter_side(name, header, device, samples, rank, world, token_keys, layout
         yield from _protocol.send_loop(header, batches, prepare, sender.wait)
     else:
         recv = _stream.irecv_fn(header.gsrc, group)
+        pool = _stream.RecvPool(piece, device)
 
         def receive(desc, n, total):
             plan = RingPlan.build(desc["cu"], world, layout)
             shapes = [(plan.local_len, *rest) for _, _, rest in desc["specs"]]
             sizes = [_stream.spec_nbytes(d, s) for (_, d, _), s in zip(desc["specs"], shapes)]
             offsets, total = _stream.layout(sizes)
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
+            flat = pool.take(total)
             local = {
                 key: _stream.view_tensor(flat, off, dtype, shape)
                 for (key, dtype, _), shape, off in zip(desc["specs"], shapes, offsets)
