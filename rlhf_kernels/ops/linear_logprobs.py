@@ -229,16 +229,18 @@ class _LinearLogProbs(torch.autograd.Function):
         return (*_cast_grads(dh, dw, db, h, b), None, None, None, None, None)
 
 
-class _LinearNLL(torch.autograd.Function):
-    """``-sum_t wt[t] * logp[t]`` with its gradients computed during the forward, one pass.
+class _FusedLinearLoss(torch.autograd.Function):
+    """A scalar loss ``sum_chunks token_loss(logp_chunk, rows)`` with gradients made in forward.
 
-    The upstream gradient of a scalar loss is one number, so (Liger-style) each block's
-    ``dU = wt * (p - onehot) / tau`` is formed right after its log-sum-exp and folded into
+    The upstream gradient of a scalar is one number, so (Liger-style) each token chunk's
+    ``dL/dlogp`` (autograd on the small ``(n,)`` vector) is turned into
+    ``dU = dL/dlogp * (onehot - p) / tau`` right after the chunk's log-sum-exp and folded into
     ``dhidden`` / ``dweight``: 3 matmuls instead of 4. Needs the whole vocabulary in one block.
+    ``token_loss`` must be a sum over tokens (weights precomputed), so chunks add up.
     """
 
     @staticmethod
-    def forward(ctx, h, w, b, labels, wt, tau, tc):
+    def forward(ctx, h, w, b, labels, tau, tc, token_loss):
         inv_tau = 1.0 / tau
         T, H = h.shape
         V = w.shape[0]
@@ -252,7 +254,6 @@ class _LinearNLL(torch.autograd.Function):
         buf_u = torch.empty(min(tc, T) * V, dtype=torch.float32, device=h.device)
         buf_p = torch.empty_like(buf_u)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        g_lab = -wt * inv_tau
         for t0 in range(0, T, tc):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
             sl = slice(t0, t0 + hc.shape[0])
@@ -260,11 +261,15 @@ class _LinearNLL(torch.autograd.Function):
             u.sub_(u.amax(1, keepdim=True))
             p = torch.exp(u, out=_view(buf_p, u))
             s = p.sum(1)
-            logp = u.gather(1, lab[:, None])[:, 0] - torch.log(s)
-            loss -= (wt[sl] * logp).sum()
+            logp = (u.gather(1, lab[:, None])[:, 0] - torch.log(s)).requires_grad_(any(needs))
+            with torch.enable_grad():
+                part = token_loss(logp, sl)
+            loss += part.detach().float()
             if any(needs):
-                g = p.mul_((wt[sl] * inv_tau / s)[:, None])  # wt * p / tau
-                g.scatter_add_(1, lab[:, None], g_lab[sl, None])
+                (g_lp,) = torch.autograd.grad(part, logp)
+                g_lp = g_lp.float() * inv_tau
+                g = p.mul_((-g_lp / s)[:, None])  # -g_lp * softmax / tau
+                g.scatter_add_(1, lab[:, None], g_lp[:, None])
                 if db is not None:
                     db += g.sum(0)
                 _accumulate(g, hc, w, None if dh is None else dh[sl], acc)
@@ -277,6 +282,13 @@ class _LinearNLL(torch.autograd.Function):
     def backward(ctx, g):
         dh, dw, db = ctx.saved_tensors
         return tuple(None if t is None else t * g.to(t.dtype) for t in (dh, dw, db)) + (None,) * 4
+
+
+def _fits_one_pass(T: int, H: int, V: int, dtype: torch.dtype) -> tuple[bool, int]:
+    """Whole vocabulary in one block, and the fp32 dweight accumulator free or within budget."""
+    tc, vc = _chunk_sizes(T, H, V)
+    ok = vc == V and (dtype == torch.float32 or V * H <= max(T * H, _MIN_BUDGET))
+    return ok, tc
 
 
 # ----------------------------------------------------------------------------- API
@@ -378,8 +390,66 @@ def linear_nll_loss(
         raise ValueError(f"mask must have shape ({T},), got {tuple(mask.shape)}")
     m = torch.ones(T, device=hidden.device) if mask is None else mask.to(torch.float32)
     wt = m / m.sum().clamp_min(1.0)  # per-token weight of -logp in the loss
-    tc, vc = _chunk_sizes(T, H, V)
-    if vc == V and (weight.dtype == torch.float32 or V * H <= max(T * H, _MIN_BUDGET)):
-        return _LinearNLL.apply(hidden, weight, bias, labels.long(), wt, float(temperature), tc)
+    one_pass, tc = _fits_one_pass(T, H, V, weight.dtype)
+    if one_pass:
+        nll = lambda logp, sl: -(wt[sl] * logp).sum()
+        return _FusedLinearLoss.apply(
+            hidden, weight, bias, labels.long(), float(temperature), tc, nll
+        )
     # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
     return -(linear_logprobs(hidden, weight, labels, bias, temperature) * wt).sum()
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PPO clipped loss straight from hidden states: lm_head -> log-prob -> ``policy_loss``.
+
+    Args:
+        hidden, weight, labels, bias, temperature: as :func:`linear_logprobs` (packed
+            ``(T, H)`` tokens; ``labels[t]`` is the sampled token scored at position ``t``).
+        old_logp, advantages: ``(T,)`` float, behaviour-policy log-probs and advantages.
+        mask: ``(T,)`` 0/1 tokens that count (default all). cu_seqlens: ``(S + 1,)`` sequence
+            boundaries for the sequence-level aggregations (default: one sequence).
+        clip_low, clip_high, dual_clip, aggregation: as
+            :func:`rlhf_kernels.ops.losses.policy_loss`.
+    Returns: float32 scalar, equal to ``policy_loss(linear_logprobs(...), ...)``; computed in
+    one pass with gradients made during the forward when the vocabulary fits one block.
+    """
+    from rlhf_kernels.ops import losses
+
+    _check(hidden, weight, labels, bias, temperature, None, None)
+    losses._check_float(old_logp=old_logp, advantages=advantages)
+    losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip)
+    T, H = hidden.shape
+    V = weight.shape[0]
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T], device=hidden.device)
+    ref = old_logp.float()
+    m, seq, n_seq = losses._token_layout("old_logp", ref, mask, cu_seqlens, advantages=advantages)
+    wt = losses._token_weights(m, seq, n_seq, aggregation)
+    adv = advantages.float()
+
+    def ppo(logp, sl):
+        tok = losses._ppo_token_loss(logp, ref[sl], adv[sl], clip_low, clip_high, dual_clip)[0]
+        return (tok * wt[sl]).sum()
+
+    one_pass, tc = _fits_one_pass(T, H, V, weight.dtype)
+    if one_pass:
+        return _FusedLinearLoss.apply(
+            hidden, weight, bias, labels.long(), float(temperature), tc, ppo
+        )
+    return ppo(linear_logprobs(hidden, weight, labels, bias, temperature), slice(0, T))

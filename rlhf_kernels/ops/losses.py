@@ -95,16 +95,39 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, **others):
     return m, seq, n_seq
 
 
-def _aggregate(x, m, seq, n_seq, aggregation):
+def _token_weights(m, seq, n_seq, aggregation):
+    """Per-token weights ``w`` with ``aggregate(x) == (x * w).sum()`` (constants: no grad)."""
     if aggregation == "token-mean":
-        return (x * m).sum() / m.sum().clamp_min(1)
-    per_seq = torch.zeros(n_seq, dtype=x.dtype, device=x.device)
-    per_seq = per_seq.index_add(0, seq.reshape(-1), (x * m).reshape(-1))
-    if aggregation == "seq-mean-token-mean":
-        count = torch.zeros(n_seq, dtype=x.dtype, device=x.device)
-        count = count.index_add(0, seq.reshape(-1), m.reshape(-1))
-        per_seq = per_seq / count.clamp_min(1)
-    return per_seq.mean() if n_seq else per_seq.sum()
+        return m / m.sum().clamp_min(1)
+    if n_seq == 0:
+        return torch.zeros_like(m)
+    if aggregation == "seq-mean-token-sum":
+        return m / n_seq
+    count = torch.zeros(n_seq, dtype=m.dtype, device=m.device)
+    count = count.index_add(0, seq.reshape(-1), m.reshape(-1))
+    return m / (count.clamp_min(1)[seq] * n_seq)  # seq-mean-token-mean
+
+
+def _ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
+    """Per-token PPO loss and its pieces: (loss, unclipped, clipped, ratio, log_ratio)."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        capped = torch.minimum(loss, -advantages * dual_clip)
+        loss = torch.where(advantages < 0, capped, loss)
+    return loss, unclipped, clipped, ratio, log_ratio
+
+
+def _check_policy_args(aggregation, clip_low, clip_high, dual_clip):
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if not (0 <= clip_low < 1 and clip_high >= 0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
 
 
 # ----------------------------------------------------------------------------- losses
@@ -141,24 +164,14 @@ def policy_loss(
     Returns: scalar loss in logp's dtype (and the stats dict).
     """
     _check_float(logp=logp, old_logp=old_logp, advantages=advantages)
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if not (0 <= clip_low < 1 and clip_high >= 0):
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
+    _check_policy_args(aggregation, clip_low, clip_high, dual_clip)
     m, seq, n_seq = _token_layout(
         "logp", logp, mask, cu_seqlens, old_logp=old_logp, advantages=advantages
     )
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    if dual_clip is not None:
-        capped = torch.minimum(loss, -advantages * dual_clip)
-        loss = torch.where(advantages < 0, capped, loss)
-    out = _aggregate(loss, m, seq, n_seq, aggregation)
+    loss, unclipped, clipped, ratio, log_ratio = _ppo_token_loss(
+        logp, old_logp, advantages, clip_low, clip_high, dual_clip
+    )
+    out = (loss * _token_weights(m, seq, n_seq, aggregation)).sum()
     if not return_stats:
         return out
     with torch.no_grad():
