@@ -84,6 +84,30 @@ def _attention_cases(rank, world):
     return errors
 
 
+def _bf16_cases(rank, world):
+    """bf16 shards: error vs float64 <= 2x plain torch's bf16 error (both vs float64)."""
+    heads, kv_heads, causal, window, softcap, _ = CASES["causal_gqa"]
+    inputs, ref = _reference("causal_gqa", seed=11)
+    q, k, v = (t.bfloat16().requires_grad_() for t in inputs[:3])
+    cu = _cu(LENGTHS)
+    plain_out, _ = varlen_attention_reference(q, k, v, cu, cu, causal=True)
+    plain_out.backward(inputs[3].bfloat16())
+    plain = (plain_out, q.grad, k.grad, v.grad)
+    ratios = {}
+    for layout, comm in (("zigzag", "p2p"), ("contiguous", "allgather")):
+        plan = RingPlan.build(cu, world, layout)
+        q, k, v = (plan.shard(t, rank).bfloat16().requires_grad_() for t in inputs[:3])
+        out = ring_varlen_attention(q, k, v, plan, comm=comm)
+        out.backward(plan.shard(inputs[3], rank).bfloat16())
+        for name, a, p, r in zip(
+            ("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), plain, ref
+        ):
+            ours = _max_err(a, plan.shard(r, rank))
+            theirs = (p.double() - r).abs().max().item()
+            ratios[f"{layout}/{comm}/{name}"] = ours / theirs
+    return ratios
+
+
 def _bad_input_cases(rank, world):
     """Each bad input must raise on every rank (a hang would hit the gloo timeout instead)."""
     raised = {}
@@ -157,6 +181,7 @@ def _worker(rank, world):
         _attention_cases(rank, world),
         _bad_input_cases(rank, world),
         _helper_cases(rank, world),
+        _bf16_cases(rank, world),
     )
 
 
@@ -175,7 +200,9 @@ def test_ring_attention_matches_single_device(world):
     bad = {name: e for name, e in errors.items() if max(e.values()) > TOL}
     assert not bad, f"errors above {TOL}: {bad}"
     # bad input: every rank raised (the last rank's own error, or the group-wide one)
-    for rank, (_, r, helpers) in enumerate(results):
+    bf16 = results[0][3]
+    assert len(bf16) == 8 and max(bf16.values()) <= 2.0, bf16
+    for rank, (_, r, helpers, _) in enumerate(results):
         assert helpers["all"] and helpers["dst"]
         assert helpers["mean"] < 1e-12 and helpers["grad"] < 1e-12
         assert r["world"] and f"world_size={world + 1}" in r["world"]
