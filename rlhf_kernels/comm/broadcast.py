@@ -313,7 +313,7 @@ def _scatter_side(name, header, device, samples, rank, world, token_keys, layout
             cu, packed, specs = _pack_tokens(batch, token_keys)
             plan = RingPlan.build(cu, world, layout)
             meta = [_meta_of(s, token_keys) for s in batch]
-            desc = {"cu": cu, "specs": specs, "meta": meta}
+            desc = {"cu": cu, "specs": specs, "meta": meta, "local_len": plan.local_len}
             with torch.no_grad():
                 own = {k: plan.shard(packed[k], rank) for k in token_keys}
 
@@ -334,19 +334,27 @@ def _scatter_side(name, header, device, samples, rank, world, token_keys, layout
         yield from _protocol.send_loop(header, batches, prepare, sender.wait)
     else:
         recv = _stream.irecv_fn(header.gsrc, group)
-        pool = _stream.RecvPool(piece, device)
+        # a rank's shards are ~1/world of a micro-batch; blocks leave 25% for zigzag pads
+        block = _wire.align(piece // world + piece // (4 * world))
+        pool = _stream.RecvPool(min(piece, block), device)
 
         def receive(desc, n, total):
-            plan = RingPlan.build(desc["cu"], world, layout)
-            shapes = [(plan.local_len, *rest) for _, _, rest in desc["specs"]]
+            shapes = [(desc["local_len"], *rest) for _, _, rest in desc["specs"]]
             sizes = [_stream.spec_nbytes(d, s) for (_, d, _), s in zip(desc["specs"], shapes)]
             offsets, total = _stream.layout(sizes)
             flat = pool.take(total)
+            works = _stream.recv_into(flat, piece, recv)
+            # the shards are in flight: build the (deterministic) plan meanwhile
+            plan = RingPlan.build(desc["cu"], world, layout)
+            if plan.local_len != desc["local_len"]:
+                raise RuntimeError(
+                    f"{name}: the RingPlan built here has local_len "
+                    f"{plan.local_len}, the source's {desc['local_len']}"
+                )
             local = {
                 key: _stream.view_tensor(flat, off, dtype, shape)
                 for (key, dtype, _), shape, off in zip(desc["specs"], shapes, offsets)
             }
-            value = (plan, local, desc["meta"])
-            return value, _stream.recv_into(flat, piece, recv)
+            return (plan, local, desc["meta"]), works
 
         yield from _protocol.recv_loop(header, receive, name, src)
