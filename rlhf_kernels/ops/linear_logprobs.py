@@ -14,6 +14,9 @@ Why recompute rather than computing gradients in the forward (Liger-style)? The 
 per-token, so the upstream gradient ``g_logp[t]`` is unknown until backward: precomputing would
 mean storing ``(T, V)`` partials, exactly what we avoid. The price is one extra matmul (4 instead
 of the naive 3); the gain is that no ``(T, V)`` tensor is ever alive, in any dtype.
+When the result is a scalar loss the upstream gradient is one number, so ``linear_nll_loss``
+(SFT) and ``linear_policy_loss`` (PPO) do compute gradients in the forward, in one pass
+(``_FusedLinearLoss``, 3 matmuls), whenever the whole vocabulary fits one block.
 
 Chunk rule (``_chunk_sizes``): a block budget of ``B = max(T * H, 2**22)`` fp32 elements (as
 large as the hidden states themselves, at least 16 MiB). Vocab chunk ``Vc = min(V, B // H)``

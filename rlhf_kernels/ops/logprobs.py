@@ -205,7 +205,6 @@ class _LogProbs(torch.autograd.Function):
         logp, ent, lse = fwd(z, labels, tau, want_entropy)
         ctx.save_for_backward(z, labels, lse, ent)
         ctx.tau, ctx.backend = tau, backend
-        ctx.mark_non_differentiable(labels)
         return logp, ent
 
     @staticmethod
