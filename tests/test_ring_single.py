@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
-from rlhf_kernels.ring.attention import ring_varlen_attention, tile_pairs
+from rlhf_kernels.ring.attention import ring_varlen_attention
+from rlhf_kernels.ring.blocks import tile_pairs
 from rlhf_kernels.ring.plan import RingPlan
 
 LENGTHS = [1, 47, 2, 31, 67]
