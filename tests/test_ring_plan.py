@@ -144,6 +144,8 @@ def test_plan_is_picklable_and_fingerprinted():
     assert again.fingerprint() == plan.fingerprint()
     assert torch.equal(again.global_index, plan.global_index)
     assert again._cache == {}
+    big = RingPlan.build(_cu([5000] * 20), 4)  # 100k tokens: pickles as its inputs
+    assert len(pickle.dumps(big)) < 2000
     assert RingPlan.build(_cu([5, 8]), 3).fingerprint() != plan.fingerprint()
     assert RingPlan.build(_cu([8, 5]), 2).fingerprint() != plan.fingerprint()
     assert RingPlan.build([0, 5, 13], 2, "contiguous").fingerprint() != plan.fingerprint()
