@@ -206,8 +206,8 @@ def _best_fit_decreasing(order: list[int], lens: list[int], max_tokens: int) -> 
 _MAX_FREE_PAIRS = 48
 _MAX_BIN_PAIRS = 16
 _MAX_REFILL_BINS = 256
-_WORK_BASE = 20_000
-_WORK_PER_SAMPLE = 60
+_WORK_BASE = 40_000
+_WORK_PER_SAMPLE = 50
 _ORDER_NOISE = 0.3
 
 
@@ -308,8 +308,49 @@ def _refill(rest, loads, free, lens, max_tokens, budget: _Budget) -> None:
             if not free:
                 return
             singles, pairs = _free_sums(free, lens)
-            if not budget.spend(len(pairs) // 8):
+            if not budget.spend(len(singles) + len(pairs) // 2):
                 return
+
+
+def _best_pair(items: list[tuple[int, int]], cap: int, budget: _Budget):
+    """Two of ``items`` (ascending ``(len, i)``) with the largest total ``<= cap``, as
+    ``(total, x, y)`` positions ``x < y``; None if no pair fits or the budget is spent."""
+    best = None
+    top = bisect.bisect_right(items, (cap - items[0][0], math.inf)) - 1  # fits beside the shortest
+    for y in range(top, 0, -1):
+        if not budget.spend(1):
+            return None
+        ly = items[y][0]
+        if best is not None and ly + items[y - 1][0] <= best[0]:
+            break  # pairs with a shorter top sample cannot do better
+        x = min(y - 1, bisect.bisect_right(items, (cap - ly, math.inf)) - 1)
+        if x >= 0 and (best is None or ly + items[x][0] > best[0]):
+            best = (ly + items[x][0], x, y)
+            if best[0] == cap:
+                break
+    return best
+
+
+def _fill_bins(lens: list[int], max_tokens: int, budget: _Budget) -> list[list[int]]:
+    """Minimum-bin-slack style start: open a micro-batch with the longest sample left, then add the
+    single sample or pair that fills the most of its slack, until nothing fits. Pairs are searched
+    only while the budget lasts (then singles only). Better than best fit when samples come in
+    threes (lengths near ``max_tokens / 3``) or must fill micro-batches almost exactly."""
+    items = sorted((n, i) for i, n in enumerate(lens))  # samples left, ascending
+    bins = []
+    while items:
+        n, i = items.pop()
+        members, slack = [i], max_tokens - n
+        while items and items[0][0] <= slack:
+            pos = bisect.bisect_right(items, (slack, math.inf)) - 1
+            pair = _best_pair(items, slack, budget) if budget.units > 0 else None
+            picks = pair[2:0:-1] if pair is not None and pair[0] > items[pos][0] else (pos,)
+            for p in picks:  # descending positions, so pops do not shift the next one
+                members.append(items[p][1])
+                slack -= items[p][0]
+                items.pop(p)
+        bins.append(members)
+    return bins
 
 
 def _eliminate_bins(bins, lens, max_tokens, lower: int, budget: _Budget) -> list[list[int]]:
@@ -345,15 +386,25 @@ def _eliminate_bins(bins, lens, max_tokens, lower: int, budget: _Budget) -> list
 
 
 def _pack(lens: list[int], max_tokens: int) -> list[list[int]]:
-    """Best-fit decreasing, then :func:`_eliminate_bins`; while above the lower bound and within
-    budget, restart from best fit in a perturbed order (longest first, each length scaled by a
-    random factor in ``[1, 1 + _ORDER_NOISE)``, fixed seed) and keep the fewest micro-batches."""
+    """Fewest micro-batches found from three kinds of start, each followed by
+    :func:`_eliminate_bins`: best-fit decreasing, :func:`_fill_bins`, then (while the budget lasts)
+    best fit in perturbed orders (longest first, each length scaled by a random factor in
+    ``[1, 1 + _ORDER_NOISE)``, fixed seed). The three get 1/2, 1/4 and 1/4 of the work budget,
+    plus what earlier ones left. Stops as soon as a start reaches the lower bound."""
     lower = max(1, _lower_bound(lens, max_tokens))  # all-empty samples still need one
-    budget = _Budget(_WORK_BASE + _WORK_PER_SAMPLE * len(lens))
+    total = _WORK_BASE + _WORK_PER_SAMPLE * len(lens)
+    budget = _Budget(total // 2)
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    best = _eliminate_bins(
-        _best_fit_decreasing(order, lens, max_tokens), lens, max_tokens, lower, budget
-    )
+    best = _best_fit_decreasing(order, lens, max_tokens)
+    best = _eliminate_bins(best, lens, max_tokens, lower, budget)
+    if len(best) > lower:
+        budget.units = max(budget.units, 0) + total // 4
+        bins = _eliminate_bins(
+            _fill_bins(lens, max_tokens, budget), lens, max_tokens, lower, budget
+        )
+        if len(bins) < len(best):
+            best = bins
+    budget.units = max(budget.units, 0) + total // 4
     rng = random.Random(0)
     while len(best) > lower and budget.spend(8 * len(lens)):
         keys = [n * (1.0 + _ORDER_NOISE * rng.random()) for n in lens]

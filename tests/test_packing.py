@@ -116,6 +116,8 @@ def _lengths(kind, rng, n=300):
         return [min(BUDGET, max(1, int(rng.lognormvariate(6, 1)))) for _ in range(n)]
     if kind == "exponential":
         return [min(BUDGET, max(1, int(rng.expovariate(1 / 800)))) for _ in range(n)]
+    if kind == "thirds":  # three fit only if they balance: best-fit decreasing is >10% over
+        return [rng.randint(BUDGET // 3 - 64, BUDGET // 3 + 64) for _ in range(n)]
     # bimodal: 30% long answers (> budget / 2: each needs its own micro-batch)
     return [
         rng.randint(2200, 4000) if rng.random() < 0.3 else rng.randint(10, 400) for _ in range(n)
@@ -204,11 +206,11 @@ def test_lower_bound_and_optimum_on_tiny_inputs():
 
 
 # ceil(sum / budget) is reachable within 5% only where few samples exceed half the budget
-REACHES_CEIL = {"uniform_half", "lognormal", "exponential"}
+REACHES_CEIL = {"uniform_half", "lognormal", "exponential", "thirds"}
 
 
 @pytest.mark.parametrize(
-    "kind", ["uniform_half", "uniform_full", "lognormal", "exponential", "bimodal"]
+    "kind", ["uniform_half", "uniform_full", "lognormal", "exponential", "bimodal", "thirds"]
 )
 @pytest.mark.parametrize("seed", range(5))
 def test_plan_within_5_percent_of_lower_bound(kind, seed):
@@ -225,7 +227,7 @@ def test_plan_within_5_percent_of_lower_bound(kind, seed):
 def test_plan_improves_on_best_fit_decreasing():
     """Never more micro-batches than plain BFD, and fewer on some batches."""
     fewer = 0
-    for kind in ["lognormal", "uniform_half"]:
+    for kind in ["lognormal", "uniform_half", "thirds"]:
         for seed in range(8):
             lens = _lengths(kind, random.Random(seed))
             got, bfd = len(plan_micro_batches(lens, BUDGET)[0]), _best_fit_decreasing(lens, BUDGET)
