@@ -21,6 +21,8 @@ _EXPORTS = {
     # RL math
     "logprobs_from_logits": "rlhf_kernels.ops.logprobs",
     "linear_logprobs": "rlhf_kernels.ops.linear_logprobs",
+    "linear_nll_loss": "rlhf_kernels.ops.linear_logprobs",
+    "linear_policy_loss": "rlhf_kernels.ops.linear_logprobs",
     "gae": "rlhf_kernels.ops.gae",
     "discounted_returns": "rlhf_kernels.ops.gae",
     "group_advantages": "rlhf_kernels.ops.advantages",
