@@ -438,15 +438,18 @@ def _balance_groups(bins, lens, num_groups, max_tokens) -> list[list[list[int]]]
         )
         groups[g].append(b)
         totals[g] += sum(lens[i] for i in b)
-    # refinement: move or swap one sample between a micro-batch of the heaviest group and one of the
-    # lightest group when that narrows their gap and fits the budget; repeat until nothing helps
+    # refinement: move or swap one sample between a micro-batch of the heaviest group and one of a
+    # lighter group (lightest first; then from a heavier group to the lightest) when that narrows
+    # their gap and fits the budget; each step lowers sum(totals^2), repeat until nothing helps
     for _ in range(10 * len(lens) + 10):
-        hi = max(range(num_groups), key=lambda g: totals[g])
-        lo = min(range(num_groups), key=lambda g: totals[g])
-        gap = totals[hi] - totals[lo]
-        if gap <= 1 or not _improve_pair(
-            groups[hi], groups[lo], lens, gap, max_tokens, totals, hi, lo
-        ):
+        by_load = sorted(range(num_groups), key=lambda g: (totals[g], g))
+        lo, hi = by_load[0], by_load[-1]
+        pairs = [(hi, g) for g in by_load[:-1]] + [(g, lo) for g in reversed(by_load[1:-1])]
+        for a, b in pairs:  # a heavier than b
+            gap = totals[a] - totals[b]
+            if gap > 1 and _improve_pair(groups[a], groups[b], lens, gap, max_tokens, totals, a, b):
+                break
+        else:
             break
     return groups
 
