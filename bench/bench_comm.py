@@ -288,6 +288,25 @@ def sweep(payloads, worlds, chunk, rounds, baseline_limit_mb) -> list[dict]:
     return rows
 
 
+def overlap_worker(rank, world, payload_mb, chunk, work_s):
+    """Does the next micro-batch's transfer overlap the consumer's work? Times the stream with
+    no work, the work alone (``work_s`` of sleep per micro-batch, standing in for GPU compute
+    that leaves the CPU free) and both together."""
+    samples = make_rollout(payload_mb) if rank == 0 else None
+    out = {}
+    for name, work in (("transfer_only", 0.0), ("transfer_and_work", work_s)):
+        dist.barrier()
+        t0, n = time.perf_counter(), 0
+        for _mb in broadcast_chunked(samples if rank == 0 else None, src=0, max_chunk_bytes=chunk):
+            n += 1
+            time.sleep(work)
+        dist.barrier()
+        out[name] = time.perf_counter() - t0
+    out["work_only"] = n * work_s
+    out["micro_batches"] = n
+    return out
+
+
 def _plot(rows, path):
     import matplotlib
 
@@ -336,8 +355,10 @@ def main(argv=None):
     worlds = (2, 3) if quick else (2, 3, 4)
     chunk = 16 << 20
     # whole-list baselines hold ~2-3 copies per rank: keep payload * world under this on 24 GB
-    limit = 1 << 30 if quick else 1600
+    limit = 1 << 30 if quick else 2000
     rows = sweep(payloads, worlds, chunk, rounds=1, baseline_limit_mb=limit)
+    overlap = run_gloo(overlap_worker, 2, 50 if quick else 200, chunk, 0.02)[1]
+    print(f"overlap (receiver, W=2): {overlap}", flush=True)
     date = datetime.date.today().isoformat()
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     stem = os.path.join(out_dir, f"comm-cpu-{date}")
@@ -348,6 +369,7 @@ def main(argv=None):
         "quick": quick,
         "setup": "rank 0 owns the rollout; every rank a 1-thread process; gloo over loopback",
         "rows": rows,
+        "overlap_receiver_w2": overlap,
     }
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=1)

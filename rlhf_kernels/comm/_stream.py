@@ -4,7 +4,8 @@ The payload of a micro-batch is one flat byte stream: tensor ``j`` occupies
 ``[offsets[j], offsets[j] + nbytes[j])`` with 16-byte aligned offsets. It moves in pieces of at
 most ``piece_bytes``; the sender packs each piece into one of two staging buffers (double
 buffering: piece ``k + 1`` is packed while piece ``k`` is in flight), the receiver writes straight
-into the flat buffer it hands out, so no side ever holds the whole payload twice.
+into the block (from a small recycled pool) whose views it hands out, so no side ever holds the
+whole payload, nor a staging copy of what it received.
 """
 
 from __future__ import annotations

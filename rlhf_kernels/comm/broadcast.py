@@ -1,10 +1,10 @@
 """Bounded-memory distribution of rollouts: chunked broadcast and ring-shard scatter.
 
 ``broadcast_chunked`` replaces ``broadcast_object_list(whole_rollout_list)``: the source streams
-micro-batches whose tensor bytes fit ``max_chunk_bytes``; tensors travel as raw bytes through two
-reused staging buffers, only metadata is pickled. Every rank, source included, holds a few chunks
-at a time whatever the rollout size, and the next micro-batch is in flight while the caller
-works on the current one.
+micro-batches whose tensor bytes fit ``max_chunk_bytes``; tensors travel as raw bytes from two
+reused staging buffers into a small pool of reused receive blocks, only metadata is pickled.
+Every rank, source included, holds a few chunks at a time whatever the rollout size, and the
+next micro-batch is in flight while the caller works on the current one.
 
 ``scatter_for_ring`` does the same for data that ring attention consumes: the source packs each
 micro-batch, builds its ``RingPlan`` and sends every rank only that rank's token shard.
@@ -138,8 +138,11 @@ def broadcast_chunked(
         ``src`` they are the input dicts themselves; elsewhere fresh tensors on the buffer device
         (CPU for gloo, CUDA for NCCL), bit-identical to the source, ``requires_grad=False``; the
         tensors of one micro-batch share one storage. Memory: the source holds two staging
-        buffers, a receiver the micro-batch being received plus the one it yielded; drop your
-        reference to a micro-batch before asking for the next one to keep it at that.
+        buffers of ``max_chunk_bytes``; a receiver receives into a pool of at most three such
+        blocks, each recycled once the caller has dropped every tensor of the micro-batch it
+        held (keep micro-batches and fresh buffers are allocated instead, never overwritten).
+        Only the source may stop early (closing its generator ends the stream on every rank);
+        a receiver must iterate to the end.
 
     Raises:
         ValueError on every rank if the ranks disagree on ``src`` or ``max_chunk_bytes`` or one
@@ -206,6 +209,11 @@ def scatter_for_ring(
     sends every rank ``plan.shard(packed[key], rank)`` for each key, about 1/world of the bytes.
     The header carries only ``cu_seqlens`` and the per-sample metadata; every rank rebuilds the
     (deterministic) plan itself. Iterate it to the end on every rank of ``group``.
+
+    Cost: every rank holds each micro-batch's ``RingPlan``, whose int64 index tables take about
+    24 bytes per packed token (several times that while it is built); for small per-token
+    payloads that, not the shards, bounds memory and (on CPU) time: size ``max_chunk_bytes``
+    with it in mind.
 
     Args:
         samples: on ``src``, an iterable of dicts; ``sample[key]`` for each of ``token_keys`` is a
