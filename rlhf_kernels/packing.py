@@ -19,6 +19,7 @@ balanced token totals (greedy largest-first assignment, then pairwise sample swa
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -202,13 +203,15 @@ def _best_fit_decreasing(order: list[int], lens: list[int], max_tokens: int) -> 
 
 # improvement phase: free/bin sizes up to which pairs are tried; micro-batches looked at per pass;
 # work budget (in candidate moves looked at: counted, not timed, so a plan depends only on its
-# input); restart order noise
+# input; ~0.5 us each); restart order noise; budget shares of the first / later local searches
 _MAX_FREE_PAIRS = 48
 _MAX_BIN_PAIRS = 16
 _MAX_REFILL_BINS = 256
 _WORK_BASE = 40_000
 _WORK_PER_SAMPLE = 50
-_ORDER_NOISE = 0.3
+_ORDER_NOISE = 0.2
+_FIRST_SHARE = 2
+_RESTART_SHARE = 16
 
 
 def _lower_bound(lens: list[int], max_tokens: int) -> int:
@@ -331,16 +334,20 @@ def _best_pair(items: list[tuple[int, int]], cap: int, budget: _Budget):
     return best
 
 
-def _fill_bins(lens: list[int], max_tokens: int, budget: _Budget) -> list[list[int]]:
-    """Minimum-bin-slack style start: open a micro-batch with the longest sample left, then add the
-    single sample or pair that fills the most of its slack, until nothing fits. Pairs are searched
-    only while the budget lasts (then singles only). Better than best fit when samples come in
-    threes (lengths near ``max_tokens / 3``) or must fill micro-batches almost exactly."""
+def _fill_bins(order: list[int], lens: list[int], max_tokens: int, budget: _Budget):
+    """Minimum-bin-slack style start: open a micro-batch with the first sample of ``order`` not yet
+    placed, then add the single sample or pair that fills the most of its slack, until nothing
+    fits. Pairs are searched only while the budget lasts (then singles only). Better than best fit
+    when samples come in threes (lengths near ``max_tokens / 3``) or must fill micro-batches
+    almost exactly."""
     items = sorted((n, i) for i, n in enumerate(lens))  # samples left, ascending
     bins = []
-    while items:
-        n, i = items.pop()
-        members, slack = [i], max_tokens - n
+    for i in order:
+        pos = bisect.bisect_left(items, (lens[i], i))
+        if pos == len(items) or items[pos][1] != i:
+            continue  # already placed
+        items.pop(pos)
+        members, slack = [i], max_tokens - lens[i]
         while items and items[0][0] <= slack:
             pos = bisect.bisect_right(items, (slack, math.inf)) - 1
             pair = _best_pair(items, slack, budget) if budget.units > 0 else None
@@ -386,34 +393,35 @@ def _eliminate_bins(bins, lens, max_tokens, lower: int, budget: _Budget) -> list
 
 
 def _pack(lens: list[int], max_tokens: int) -> list[list[int]]:
-    """Fewest micro-batches found from three kinds of start, each followed by
-    :func:`_eliminate_bins`: best-fit decreasing, :func:`_fill_bins`, then (while the budget lasts)
-    best fit in perturbed orders (longest first, each length scaled by a random factor in
-    ``[1, 1 + _ORDER_NOISE)``, fixed seed). The three get 1/2, 1/4 and 1/4 of the work budget,
-    plus what earlier ones left. Stops as soon as a start reaches the lower bound."""
+    """Fewest micro-batches found from several starts, each improved by :func:`_eliminate_bins`
+    (the first with up to ``1/_FIRST_SHARE`` of the work budget, later ones ``1/_RESTART_SHARE``):
+    best-fit decreasing, :func:`_fill_bins`, then both in turn in perturbed orders (longest first
+    after scaling each length by a random factor in ``[1, 1 + _ORDER_NOISE)``, fixed seed) while
+    the budget lasts. Stops as soon as one reaches the lower bound."""
     lower = max(1, _lower_bound(lens, max_tokens))  # all-empty samples still need one
     total = _WORK_BASE + _WORK_PER_SAMPLE * len(lens)
-    budget = _Budget(total // 2)
+    budget = _Budget(total)
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    best = _best_fit_decreasing(order, lens, max_tokens)
-    best = _eliminate_bins(best, lens, max_tokens, lower, budget)
-    if len(best) > lower:
-        budget.units = max(budget.units, 0) + total // 4
-        bins = _eliminate_bins(
-            _fill_bins(lens, max_tokens, budget), lens, max_tokens, lower, budget
-        )
-        if len(bins) < len(best):
-            best = bins
-    budget.units = max(budget.units, 0) + total // 4
     rng = random.Random(0)
-    while len(best) > lower and budget.spend(8 * len(lens)):
-        keys = [n * (1.0 + _ORDER_NOISE * rng.random()) for n in lens]
-        order = sorted(range(len(lens)), key=lambda i: (-keys[i], i))
-        bins = _best_fit_decreasing(order, lens, max_tokens)
-        bins = _eliminate_bins(bins, lens, max_tokens, lower, budget)
-        if len(bins) < len(best):
+    best: list[list[int]] = []
+    for start in itertools.count():
+        if start > 0 and (len(best) <= lower or not budget.spend(8 * len(lens))):
+            return best
+        if start >= 2:  # restarts: perturbed longest-first order
+            keys = [n * (1.0 + _ORDER_NOISE * rng.random()) for n in lens]
+            order = sorted(range(len(lens)), key=lambda i: (-keys[i], i))
+        if start % 2:
+            bins = _fill_bins(order, lens, max_tokens, budget)
+        else:
+            bins = _best_fit_decreasing(order, lens, max_tokens)
+        share = total // (_FIRST_SHARE if start == 0 else _RESTART_SHARE)
+        share = _Budget(max(0, min(budget.units, share)))
+        budget.units -= share.units
+        bins = _eliminate_bins(bins, lens, max_tokens, lower, share)
+        budget.units += max(share.units, 0)  # what it left
+        if not best or len(bins) < len(best):
             best = bins
-    return best
+    raise AssertionError("unreachable")
 
 
 def _split_bin(b: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
