@@ -19,6 +19,7 @@ balanced token totals (greedy largest-first assignment, then pairwise sample swa
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 import random
@@ -207,8 +208,8 @@ def _best_fit_decreasing(order: list[int], lens: list[int], max_tokens: int) -> 
 _MAX_FREE_PAIRS = 48
 _MAX_BIN_PAIRS = 16
 _MAX_REFILL_BINS = 256
-_WORK_BASE = 40_000
-_WORK_PER_SAMPLE = 50
+_WORK_BASE = 25_000
+_WORK_PER_SAMPLE = 40
 _ORDER_NOISE = 0.2
 _FIRST_SHARE = 2
 _RESTART_SHARE = 16
@@ -257,23 +258,28 @@ def _free_sums(free: list[int], lens: list[int]):
     return singles, pairs
 
 
-def _refill(rest, loads, free, lens, max_tokens, budget: _Budget) -> None:
-    """Move free samples into the micro-batches ``rest`` (all in place) by inserts and swaps.
+def _refill(bins, loads, skip, free, lens, max_tokens, budget: _Budget, saved) -> None:
+    """Move free samples into ``bins`` (except those in ``skip``) by inserts and swaps, in place.
 
     A swap replaces 0-2 samples of a micro-batch by 1-2 free samples with a larger total that still
     fits (the micro-batch gets fuller; what stays free gets smaller, so easier to place). Each
     micro-batch takes its best swap (a plain insert counts even if it adds 0 tokens); passes repeat
-    until none helps, ``free`` is empty or the budget is spent. ``loads[b]``: tokens in ``rest[b]``.
+    until none helps, ``free`` is empty or the budget is spent. ``loads[b]``: tokens in
+    ``bins[b]``; ``saved[b]`` gets ``(members, load)`` of each micro-batch before its first change.
     """
     changed = True
     while changed and free:
         changed = False
         singles, pairs = _free_sums(free, lens)
         # a micro-batch gains at most its slack: look only at the _MAX_REFILL_BINS emptiest ones
-        window = sorted(range(len(rest)), key=lambda b: (loads[b], b))[:_MAX_REFILL_BINS]
-        budget.spend(2 * len(rest))
+        budget.spend(len(bins))
+        window = heapq.nsmallest(
+            _MAX_REFILL_BINS,
+            (b for b in range(len(bins)) if b not in skip),
+            key=lambda b: (loads[b], b),
+        )
         for b in window:
-            members = rest[b]
+            members = bins[b]
             slack = max_tokens - loads[b]
             if slack == 0 < singles[0][0]:  # full: no swap can gain, nothing free fits
                 continue
@@ -300,6 +306,8 @@ def _refill(rest, loads, free, lens, max_tokens, budget: _Budget) -> None:
             if best is None:
                 continue
             _, out, ins = best
+            if b not in saved:
+                saved[b] = (list(members), loads[b])
             for i in out:
                 members.remove(i)
                 free.append(i)
@@ -361,32 +369,44 @@ def _fill_bins(order: list[int], lens: list[int], max_tokens: int, budget: _Budg
 
 
 def _eliminate_bins(bins, lens, max_tokens, lower: int, budget: _Budget) -> list[list[int]]:
-    """Local search from a packing: repeatedly try to empty the least-filled micro-batches.
+    """Local search on a packing, in place: repeatedly try to empty the least-filled micro-batches.
 
     Frees the samples of the ``k`` least-filled micro-batches (k = 1, 2, 3) that hold no sample
     longer than ``max_tokens / 2`` (those can never be emptied), :func:`_refill` s them into the
     others and packs what is left with best fit into new micro-batches. A result is kept when it
     has fewer micro-batches, or as many but fuller ones (larger sum of squared loads, which moves
-    the search on); stops when nothing is kept, at ``lower`` or when the budget is spent.
+    the search on), else undone; stops when nothing is kept, at ``lower`` or when the budget is
+    spent.
     """
+    loads = [sum(lens[i] for i in b) for b in bins]
 
-    def score(bs):
-        return len(bs), -sum(sum(lens[i] for i in b) ** 2 for b in bs)
+    def key(b):  # micro-batches to free first
+        return any(2 * lens[i] > max_tokens for i in bins[b]), loads[b], b
 
-    while len(bins) > lower and budget.spend(8 * len(lens)):  # sort, copy, score
-        bins.sort(
-            key=lambda b: (any(2 * lens[i] > max_tokens for i in b), sum(lens[i] for i in b), b)
-        )
+    while len(bins) > lower and budget.spend(len(lens)):
+        cands = heapq.nsmallest(3, range(len(bins)), key=key)
         for k in range(1, min(3, len(bins) - 1) + 1):
-            rest = [list(b) for b in bins[k:]]
-            loads = [sum(lens[i] for i in b) for b in rest]
-            free = [i for b in bins[:k] for i in b]
-            _refill(rest, loads, free, lens, max_tokens, budget)
+            freed = cands[:k]
+            free = [i for b in freed for i in bins[b]]
+            saved: dict[int, tuple[list[int], int]] = {}
+            _refill(bins, loads, set(freed), free, lens, max_tokens, budget, saved)
             order = sorted(free, key=lambda i: (-lens[i], i))
-            cand = rest + _best_fit_decreasing(order, lens, max_tokens)
-            if score(cand) < score(bins):
-                bins = cand
+            new = _best_fit_decreasing(order, lens, max_tokens)
+            new_loads = [sum(lens[i] for i in b) for b in new]
+            gain = (
+                sum(loads[b] ** 2 - load**2 for b, (_, load) in saved.items())
+                + sum(n**2 for n in new_loads)
+                - sum(loads[b] ** 2 for b in freed)
+            )  # change of the sum of squared loads
+            if len(new) < k or (len(new) == k and gain > 0):
+                for b in sorted(freed, reverse=True):
+                    del bins[b], loads[b]
+                bins += new
+                loads += new_loads
                 break
+            for b, (members, load) in saved.items():  # undo
+                bins[b][:] = members
+                loads[b] = load
         else:
             break
     return bins
