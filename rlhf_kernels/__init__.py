@@ -33,9 +33,13 @@ _EXPORTS = {
     # ring attention
     "RingPlan": "rlhf_kernels.ring.plan",
     "ring_varlen_attention": "rlhf_kernels.ring.attention",
+    "gather_from_ring": "rlhf_kernels.ring.gather",
+    "ring_token_mean": "rlhf_kernels.ring.gather",
     # rollout distribution
     "broadcast_chunked": "rlhf_kernels.comm.broadcast",
     "scatter_for_ring": "rlhf_kernels.comm.broadcast",
+    "distributed_rollouts": "rlhf_kernels.comm.distributed",
+    "local_share": "rlhf_kernels.comm.distributed",
 }
 
 __all__ = sorted(_EXPORTS) + ["has_native_ext", "__version__"]
