@@ -216,7 +216,8 @@ _RESTART_SHARE = 16
 
 
 def _lower_bound(lens: list[int], max_tokens: int) -> int:
-    """Martello-Toth L2 lower bound on the number of micro-batches (>= ceil(sum / max_tokens)).
+    """Lower bound on the number of micro-batches: Martello-Toth L2 (>= ceil(sum / max_tokens)),
+    and ``ceil(n / m)`` where the ``m`` shortest samples are the most that fit in one.
 
     For each threshold ``k <= max_tokens / 2``: samples longer than ``max_tokens - k`` (J1) and
     those in ``(max_tokens / 2, max_tokens - k]`` (J2) need a micro-batch each (no two share one);
@@ -224,6 +225,8 @@ def _lower_bound(lens: list[int], max_tokens: int) -> int:
     in ``ceil(rest / max_tokens)`` more micro-batches. The bound is the best over ``k``.
     """
     s = sorted(lens)
+    if not s:
+        return 0
     prefix = [0]
     for n in s:
         prefix.append(prefix[-1] + n)
@@ -235,7 +238,9 @@ def _lower_bound(lens: list[int], max_tokens: int) -> int:
         n2, sum2 = hi2 - n_small, prefix[hi2] - prefix[n_small]
         rest = prefix[n_small] - prefix[lo3] - (n2 * max_tokens - sum2)
         best = max(best, len(s) - n_small + max(0, -(-rest // max_tokens)))
-    return best
+    # cardinality: no micro-batch holds more samples than the shortest ones that fit together
+    per_bin = bisect.bisect_right(prefix, max_tokens) - 1  # prefix[per_bin] <= max_tokens
+    return max(best, -(-len(s) // per_bin))
 
 
 class _Budget:

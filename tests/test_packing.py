@@ -197,7 +197,10 @@ def test_lower_bound_and_optimum_on_tiny_inputs():
         opt = _optimum(lens, budget)
         lower = _mt_lower_bound(lens, budget)
         assert max(1, lower) <= opt
-        assert packing._lower_bound(lens, budget) == lower
+        most = max(k for k in range(len(lens) + 1) if sum(sorted(lens)[:k]) <= budget)
+        card = math.ceil(len(lens) / most)  # no micro-batch holds more than `most` samples
+        assert max(lower, card) <= opt
+        assert packing._lower_bound(lens, budget) == max(lower, card)
         plan = plan_micro_batches(lens, budget)
         _check_cover(plan, lens, budget)
         assert len(plan[0]) == opt, (lens, budget)
