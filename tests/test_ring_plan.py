@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf_kernels.ops.varlen_attention import attention_mask
-from rlhf_kernels.ring.plan import RingPlan
+from rlhf_kernels.ring.plan import LAYOUTS, RingPlan
 
 DOCS = [
     [47],
@@ -149,6 +149,63 @@ def test_plan_is_picklable_and_fingerprinted():
     assert RingPlan.build(_cu([5, 8]), 3).fingerprint() != plan.fingerprint()
     assert RingPlan.build(_cu([8, 5]), 2).fingerprint() != plan.fingerprint()
     assert RingPlan.build([0, 5, 13], 2, "contiguous").fingerprint() != plan.fingerprint()
+
+
+def _tensors(obj):
+    """Every tensor reachable from obj through dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_build_holds_no_per_token_tables(layout, world):
+    # ~1M tokens in 1000 documents: what a plan owns scales with documents x ranks, not tokens
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 2000, (1000,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    plan = RingPlan.build(cu, world, layout)
+    assert plan.total > 900_000
+    owned = sum(t.numel() for t in _tensors(vars(plan)))
+    assert owned <= 5 * 2 * (plan.num_docs + 1) * world  # <= 2 runs of 5 ints per doc and rank
+    assert plan._per_token == {} and plan._cache == {}
+    # asking for one rank's shard builds at most that rank's gather index
+    x = torch.arange(plan.total)
+    got = plan.shard(x, 1)
+    assert sum(t.numel() for t in _tensors(plan._per_token)) <= plan.local_len
+    assert all(key[1] == 1 for key in plan._per_token)
+    ref = plan.global_index[1]
+    assert torch.equal(got, torch.where(ref >= 0, ref, 0))
+
+
+@pytest.mark.parametrize("sliced", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_slice_and_index_paths_agree(monkeypatch, sliced, layout):
+    # shard/unshard/labels copy run by run for long runs and use a gather index for short ones
+    monkeypatch.setattr(RingPlan, "_sliced", lambda self, num_runs: sliced)
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 40, (31,), generator=g).tolist()
+    plan = RingPlan.build(_cu(lengths), 3, layout)
+    x = torch.randn(plan.total, 2, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 9, (plan.total,), generator=g)
+    shards = [plan.shard(x, r) for r in range(3)]
+    for r in range(3):
+        idx = plan.global_index[r]
+        expect = torch.where((idx >= 0).unsqueeze(1), x.detach()[idx.clamp(min=0)], 0)
+        torch.testing.assert_close(shards[r], expect, rtol=0, atol=0)
+        labels = plan.next_token_labels(ids, r)
+        full = plan.next_token_labels(ids)
+        torch.testing.assert_close(labels, torch.where(idx >= 0, full[idx.clamp(min=0)], -100))
+    y = plan.unshard(shards)
+    torch.testing.assert_close(y, x.detach(), rtol=0, atol=0)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    torch.testing.assert_close(x.grad, w)
 
 
 def test_bad_input():

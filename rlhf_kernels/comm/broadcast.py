@@ -210,10 +210,11 @@ def scatter_for_ring(
     The header carries only ``cu_seqlens`` and the per-sample metadata; every rank rebuilds the
     (deterministic) plan itself. Iterate it to the end on every rank of ``group``.
 
-    Cost: every rank holds each micro-batch's ``RingPlan``, whose int64 index tables take about
-    24 bytes per packed token (several times that while it is built); for small per-token
-    payloads that, not the shards, bounds memory and (on CPU) time: size ``max_chunk_bytes``
-    with it in mind.
+    Cost: every rank builds each micro-batch's ``RingPlan``: O(samples x world) time and memory
+    (per-document runs, no per-token tables), so a receiver pays for its shard only. The
+    source's ``plan.shard`` is one slice copy per run; for micro-batches of very short samples
+    (runs under a few hundred tokens) it builds and caches a 4-byte-per-token gather index per
+    rank instead.
 
     Args:
         samples: on ``src``, an iterable of dicts; ``sample[key]`` for each of ``token_keys`` is a

@@ -2,18 +2,22 @@
 
 A ``RingPlan`` maps the packed stream (documents ``cu_seqlens[d]:cu_seqlens[d+1]``) to
 ``world_size`` local shards of equal length ``local_len``. Every local slot is either a real token
-(its global index, document and position-in-document are recorded) or a pad slot (index -1): pads
+(its global index, document and position-in-document are defined) or a pad slot (index -1): pads
 are zero in ``shard``, never attend or are attended to, and carry ``ignore_index`` as label.
 
 Layouts:
   ``"zigzag"``: each document is cut into ``2 * world_size`` chunks whose sizes differ by at most
   one token; rank ``r`` holds chunks ``r`` and ``2W - 1 - r`` (head + tail), each padded to
-  ``ceil(L / 2W)`` slots. Causal work (a query at position ``p`` sees ``p + 1`` keys) is then the
-  same on every rank, for any document length.
+  ``ceil(L / 2W)`` slots (so at most one pad slot per chunk). Causal work (a query at position
+  ``p`` sees ``p + 1`` keys) is then the same on every rank, for any document length.
   ``"contiguous"``: the stream (padded at its end to a multiple of ``W``) is cut into ``W`` equal
   slices (the llama3 / OpenRLHF split); late ranks do more causal work.
 
-A plan is plain data (ints and int64 CPU tensors): cheap to build, and it pickles as its inputs
+A plan stores only *runs*: per rank, the maximal stretches of consecutive slots holding
+consecutive tokens of one document (at most ``2 * num_docs`` per rank for zigzag,
+``num_docs + world_size`` in all for contiguous). Building one is O(num_docs * world_size) in
+time and memory, whatever the token count. Per-token tables (``global_index``, ``doc``, ``pos``,
+gather indices) are derived on demand, for the rank that asks. A plan pickles as its inputs
 (``cu_seqlens``, world size, layout), so sending one costs a few bytes per document.
 """
 
@@ -28,6 +32,13 @@ from rlhf_kernels._checks import check_cu_seqlens
 
 LAYOUTS = ("zigzag", "contiguous")
 
+# columns of a run table: first slot, length, document, first position, first packed index
+SLOT, LEN, DOC, POS, GLOBAL = range(5)
+# ``shard``/``unshard`` copy one slice per run while runs average at least this many tokens
+# (~2 us of Python per slice); below it, one index_select with a lazily built, cached index
+# (measured on CPU: slices win at 500-token runs, the index at 250)
+_MIN_MEAN_RUN = 384
+
 
 @dataclass(eq=False)
 class RingPlan:
@@ -38,24 +49,25 @@ class RingPlan:
         layout: ``"zigzag"`` or ``"contiguous"``.
         cu_seqlens: document boundaries of the packed stream, ``(0, ..., total)``.
         local_len: slots per rank (real tokens + pads), the same on every rank.
-        global_index: int64 ``(world_size, local_len)``; packed index of each slot, -1 for pads.
-        doc: int64 ``(world_size, local_len)``; document of each slot, -1 for pads.
-        pos: int64 ``(world_size, local_len)``; position inside the document, -1 for pads.
+        runs: per rank, int64 ``(num_runs_r, 5)`` sorted by slot; row ``(slot, length, doc, pos,
+            global)`` says slots ``slot + i`` (``0 <= i < length``) hold position ``pos + i`` of
+            document ``doc``, i.e. packed index ``global + i``. Slots in no run are pads.
     """
 
     world_size: int
     layout: str
     cu_seqlens: tuple[int, ...]
     local_len: int
-    global_index: torch.Tensor
-    doc: torch.Tensor
-    pos: torch.Tensor
-    _cache: dict = field(default_factory=dict, repr=False)
+    runs: tuple[torch.Tensor, ...]
+    _cache: dict = field(default_factory=dict, repr=False)  # O(runs) facts (segments, tiles)
+    _per_token: dict = field(default_factory=dict, repr=False)  # lazily built per-token tables
 
     # ------------------------------------------------------------------------- construction
     @classmethod
     def build(cls, cu_seqlens, world_size: int, layout: str = "zigzag") -> RingPlan:
         """Plan the placement of a packed stream over ``world_size`` ranks.
+
+        O(num_docs * world_size) time and memory; no per-token table is built.
 
         Args:
             cu_seqlens: int32/int64 tensor (or list of ints) ``(num_docs + 1,)``,
@@ -74,9 +86,9 @@ class RingPlan:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         cu_t = torch.tensor(cu, dtype=torch.int64)
-        build = _build_zigzag if layout == "zigzag" else _build_contiguous
-        gidx, doc, pos = build(cu_t, world_size)
-        return cls(world_size, layout, tuple(cu), gidx.shape[1], gidx, doc, pos)
+        build = _zigzag_runs if layout == "zigzag" else _contiguous_runs
+        local_len, runs = build(cu_t, world_size)
+        return cls(world_size, layout, tuple(cu), local_len, tuple(map(_merge, runs)))
 
     # ------------------------------------------------------------------------- basic facts
     @property
@@ -95,20 +107,28 @@ class RingPlan:
 
     def valid_mask(self, rank: int) -> torch.Tensor:
         """bool ``(local_len,)``: True for real tokens, False for pad slots."""
-        return self.global_index[self.check_rank(rank)] >= 0
+        mask = torch.ones(self.local_len, dtype=torch.bool)
+        mask[self._pad_slots(self.check_rank(rank))] = False
+        return mask
 
     def num_tokens(self, rank: int) -> int:
         """Real (non-pad) tokens held by ``rank``."""
-        return int(self.valid_mask(rank).sum())
+        return int(self.runs[self.check_rank(rank)][:, LEN].sum())
 
     def local_seqlens(self, rank: int) -> torch.Tensor:
         """int64 ``(num_docs,)``: how many tokens of each document ``rank`` holds."""
-        d = self.doc[self.check_rank(rank)]
-        return torch.bincount(d[d >= 0], minlength=self.num_docs)
+        runs = self.runs[self.check_rank(rank)]
+        return torch.zeros(self.num_docs, dtype=torch.int64).index_add_(
+            0, runs[:, DOC], runs[:, LEN]
+        )
 
     def position_ids(self, rank: int) -> torch.Tensor:
         """int64 ``(local_len,)``: position of each local token inside its document (pads: 0)."""
-        return self.pos[self.check_rank(rank)].clamp(min=0)
+        runs = self.runs[self.check_rank(rank)]
+        slots, offs = _expand(runs)
+        pos = torch.zeros(self.local_len, dtype=torch.int64)
+        pos[slots] = torch.repeat_interleave(runs[:, POS], runs[:, LEN]) + offs
+        return pos
 
     def fingerprint(self) -> list[int]:
         """Small integer summary used to check that every rank holds the same plan."""
@@ -122,11 +142,31 @@ class RingPlan:
             crc & 0x7FFFFFFF,
         ]
 
+    # ------------------------------------------------------------------------- per-token tables
+    @property
+    def global_index(self) -> torch.Tensor:
+        """int64 ``(world_size, local_len)``: packed index of each slot, -1 for pads.
+
+        Built from the runs on first use and cached (8 bytes per slot): for inspection and tests;
+        ``shard``/``unshard``/``position_ids`` do not need it."""
+        return self._tables()[0]
+
+    @property
+    def doc(self) -> torch.Tensor:
+        """int64 ``(world_size, local_len)``: document of each slot, -1 for pads (cached)."""
+        return self._tables()[1]
+
+    @property
+    def pos(self) -> torch.Tensor:
+        """int64 ``(world_size, local_len)``: position inside the document, -1 for pads (cached)."""
+        return self._tables()[2]
+
     # ------------------------------------------------------------------------- data movement
     def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """The rank's tokens of ``x`` (first dim = packed length ``total``); pad slots are zero.
 
-        Returns ``(local_len, *x.shape[1:])`` in x's dtype and device; differentiable.
+        Returns ``(local_len, *x.shape[1:])`` in x's dtype and device; differentiable. Costs one
+        slice copy per run (or, for plans of many short runs, one ``index_select``).
         """
         self.check_rank(rank)
         if not isinstance(x, torch.Tensor):
@@ -136,10 +176,7 @@ class RingPlan:
                 f"x must have the packed length {self.total} as first dim, got shape "
                 f"{tuple(x.shape)}"
             )
-        idx = self.global_index[rank].to(x.device)
-        out = x[idx.clamp(min=0)]
-        valid = (idx >= 0).view(-1, *([1] * (x.dim() - 1)))
-        return torch.where(valid, out, torch.zeros((), dtype=x.dtype, device=x.device))
+        return self._take(x, rank, 0)
 
     def unshard(self, shards) -> torch.Tensor:
         """Exact inverse of ``shard``: a list of ``world_size`` shards -> ``(total, ...)``.
@@ -158,7 +195,18 @@ class RingPlan:
                     f"{', '.join(map(str, shards[0].shape[1:]))}), got "
                     f"{tuple(s.shape)}"
                 )
-        inv = self._inverse().to(shards[0].device)
+        rest = shards[0].shape[1:]
+        if self.total == 0:
+            return shards[0].new_zeros((0, *rest))
+        if self._sliced(sum(r.shape[0] for r in self.runs)):
+            # every run of every rank, in packed order: (global, rank, slot, length)
+            pieces = sorted(
+                (g, r, s, n)
+                for r, runs in enumerate(self.runs)
+                for s, n, g in runs[:, [SLOT, LEN, GLOBAL]].tolist()
+            )
+            return torch.cat([shards[r].narrow(0, s, n) for _, r, s, n in pieces])
+        inv = self._cached("inverse", self._inverse, True).to(shards[0].device)
         return torch.cat(shards, 0).index_select(0, inv)
 
     def next_token_labels(
@@ -189,96 +237,205 @@ class RingPlan:
         nxt[last] = ignore_index
         if rank is None:
             return nxt
-        idx = self.global_index[self.check_rank(rank)].to(labels.device)
-        return torch.where(idx >= 0, nxt[idx.clamp(min=0)], ignore_index)
+        return self._take(nxt, self.check_rank(rank), ignore_index)
 
     # ------------------------------------------------------------------------- attention facts
     def segments(self, rank: int) -> list[tuple[int, int, int, int]]:
         """Runs of consecutive real tokens of one document on ``rank``.
 
-        Returns ``[(slot_start, length, doc, pos_start), ...]``; slot ``slot_start + i`` holds
-        position ``pos_start + i`` of document ``doc``. Cached on the plan.
+        Returns ``[(slot_start, length, doc, pos_start), ...]`` in slot order, maximal (two
+        entries never continue each other); slot ``slot_start + i`` holds position
+        ``pos_start + i`` of document ``doc``. Cached on the plan.
         """
         key = ("segments", self.check_rank(rank))
         if key not in self._cache:
-            d, p = self.doc[rank], self.pos[rank]
-            valid = d >= 0
-            # a run starts where the previous slot is not (same doc, previous position)
-            prev_same = torch.zeros_like(valid)
-            prev_same[1:] = (d[1:] == d[:-1]) & (p[1:] == p[:-1] + 1) & valid[:-1]
-            starts = torch.nonzero(valid & ~prev_same).flatten()
-            run_id = torch.cumsum((valid & ~prev_same).long(), 0) - 1
-            lengths = torch.bincount(run_id[valid], minlength=starts.numel())
-            self._cache[key] = list(
-                zip(starts.tolist(), lengths.tolist(), d[starts].tolist(), p[starts].tolist())
-            )
+            self._cache[key] = [tuple(r) for r in self.runs[rank][:, :GLOBAL].tolist()]
         return self._cache[key]
 
     def attention_work(self, causal: bool = True, window_size=(-1, -1)) -> torch.Tensor:
         """int64 ``(world_size,)``: visible (query, key) pairs of each rank's queries.
 
         This is the attention work a rank does in a ring pass (keys may live on any rank).
-        ``max / mean`` of it is the load imbalance.
+        ``max / mean`` of it is the load imbalance. Closed form per run, O(runs).
         """
         left, right = int(window_size[0]), int(window_size[1])
         if causal:
             right = 0
-        lengths = torch.tensor(self.cu_seqlens[1:]) - torch.tensor(self.cu_seqlens[:-1])
-        valid = self.doc >= 0
-        p = self.pos.clamp(min=0)
-        L = lengths[self.doc.clamp(min=0)]
-        hi = torch.minimum(p + right, L - 1) if right >= 0 else L - 1
-        lo = (p - left).clamp(min=0) if left >= 0 else torch.zeros_like(p)
-        return torch.where(valid, hi - lo + 1, 0).sum(1)
+        cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        work = torch.zeros(self.world_size, dtype=torch.int64)
+        for r, runs in enumerate(self.runs):
+            n, p, last = runs[:, LEN], runs[:, POS], lengths[runs[:, DOC]] - 1
+            # a query at position q sees keys max(q - left, 0) ..= min(q + right, L - 1)
+            hi = _sum_min(p + right, n, last) if right >= 0 else n * last
+            lo = _sum_max0(p - left, n) if left >= 0 else torch.zeros_like(n)
+            work[r] = (hi - lo + n).sum()
+        return work
 
     # ------------------------------------------------------------------------- internals
+    def _cached(self, key, make, per_token: bool = False):
+        cache = self._per_token if per_token else self._cache
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def _sliced(self, num_runs: int) -> bool:
+        """Copy run by run (True) or through one lazily built index (False)?"""
+        return num_runs <= 16 or num_runs * _MIN_MEAN_RUN <= self.local_len * self.world_size
+
+    def _take(self, x: torch.Tensor, rank: int, fill) -> torch.Tensor:
+        """``(local_len, *x.shape[1:])``: ``x[global]`` at real slots, ``fill`` at pads."""
+        runs = self.runs[rank]
+        rest = x.shape[1:]
+        if self._sliced(runs.shape[0] * self.world_size):
+            spans = self._cached(("spans", rank), lambda: _spans(runs, self.local_len))
+            pad = max((n for g, n in spans if g < 0), default=0)
+            pads = x.new_full((pad, *rest), fill) if pad else None
+            pieces = [x.narrow(0, g, n) if g >= 0 else pads.narrow(0, 0, n) for g, n in spans]
+            return torch.cat(pieces) if pieces else x.new_zeros((0, *rest))
+        idx = self._cached(("index", rank), lambda: self._gather_index(rank), True).to(x.device)
+        out = x.index_select(0, idx)
+        pad_slots = self._pad_slots(rank)
+        if pad_slots.numel():
+            out = out.index_fill(0, pad_slots.to(x.device), fill)
+        return out
+
+    def _gather_index(self, rank: int) -> torch.Tensor:
+        """``(local_len,)`` packed index of every slot of ``rank`` (pads: 0); int32 if it fits."""
+        runs = self.runs[rank]
+        slots, offs = _expand(runs)
+        dtype = torch.int32 if self.total < 2**31 else torch.int64
+        idx = torch.zeros(self.local_len, dtype=dtype)
+        idx[slots] = (torch.repeat_interleave(runs[:, GLOBAL], runs[:, LEN]) + offs).to(dtype)
+        return idx
+
     def _inverse(self) -> torch.Tensor:
-        if "inverse" not in self._cache:
-            flat = self.global_index.flatten()
-            slots = torch.nonzero(flat >= 0).flatten()
-            inv = torch.empty(self.total, dtype=torch.int64)
-            inv[flat[slots]] = slots
-            self._cache["inverse"] = inv
-        return self._cache["inverse"]
+        """``(total,)``: row of ``torch.cat(shards)`` holding each packed token."""
+        dtype = torch.int32 if self.world_size * self.local_len < 2**31 else torch.int64
+        inv = torch.empty(self.total, dtype=dtype)
+        for r, runs in enumerate(self.runs):
+            slots, offs = _expand(runs)
+            inv[torch.repeat_interleave(runs[:, GLOBAL], runs[:, LEN]) + offs] = (
+                slots + r * self.local_len
+            ).to(dtype)
+        return inv
+
+    def _pad_slots(self, rank: int) -> torch.Tensor:
+        """int64 slots of ``rank`` that hold no token (at most two per document, zigzag)."""
+
+        def make():
+            gaps = [[s, n, 0, 0, 0] for s, n in self._gaps(rank)]
+            return _expand(torch.tensor(gaps, dtype=torch.int64).view(-1, 5))[0]
+
+        return self._cached(("pads", rank), make)
+
+    def _gaps(self, rank: int) -> list[tuple[int, int]]:
+        """``[(slot, length), ...]`` of the pad stretches of ``rank``."""
+        runs = self.runs[rank]
+        end = (runs[:, SLOT] + runs[:, LEN]).tolist()
+        out, prev = [], 0
+        for s, e in zip(runs[:, SLOT].tolist() + [self.local_len], end + [self.local_len]):
+            if s > prev:
+                out.append((prev, s - prev))
+            prev = e
+        return out
+
+    def _tables(self):
+        def make():
+            tables = torch.full((3, self.world_size, self.local_len), -1, dtype=torch.int64)
+            for r, runs in enumerate(self.runs):
+                slots, offs = _expand(runs)
+                for t, col in enumerate((GLOBAL, DOC, POS)):
+                    step = 0 if col == DOC else offs
+                    tables[t, r, slots] = torch.repeat_interleave(runs[:, col], runs[:, LEN]) + step
+            return tables.unbind(0)
+
+        return self._cached("tables", make, True)
 
     def __reduce__(self):
-        # pickles as its inputs (a few ints per document); the tensors are rebuilt on load
+        # pickles as its inputs (a few ints per document); the runs are rebuilt on load
         return (RingPlan.build, (list(self.cu_seqlens), self.world_size, self.layout))
 
 
-def _build_zigzag(cu: torch.Tensor, world: int):
+# ----------------------------------------------------------------------------- run tables
+def _zigzag_runs(cu: torch.Tensor, world: int) -> tuple[int, list[torch.Tensor]]:
     """Per document: 2W near-equal chunks; rank r holds chunks r and 2W-1-r, each padded to c."""
     n = 2 * world
     lengths = cu[1:] - cu[:-1]
     c = (lengths + n - 1) // n  # slots per chunk
-    slots_per_doc = 2 * c
-    local_len = int(slots_per_doc.sum())
-    doc_of_slot = torch.repeat_interleave(torch.arange(lengths.numel()), slots_per_doc)
-    doc_start_slot = torch.cumsum(slots_per_doc, 0) - slots_per_doc
-    offset = torch.arange(local_len) - doc_start_slot[doc_of_slot]
-    cs, L = c[doc_of_slot], lengths[doc_of_slot]
-    second = offset >= cs
-    j = offset - second.long() * cs  # index inside the chunk
-    gidx, doc, pos = (torch.full((world, local_len), -1, dtype=torch.int64) for _ in range(3))
+    doc_slot = torch.cumsum(2 * c, 0) - 2 * c  # first slot of each document on every rank
+    docs = torch.arange(lengths.numel())
+    runs = []
     for r in range(world):
-        chunk = torch.where(second, n - 1 - r, r)
-        start = chunk * L // n
-        size = (chunk + 1) * L // n - start
-        real = j < size
-        p = start + j
-        pos[r] = torch.where(real, p, -1)
-        doc[r] = torch.where(real, doc_of_slot, -1)
-        gidx[r] = torch.where(real, cu[doc_of_slot] + p, -1)
-    return gidx, doc, pos
+        halves = []
+        for half, chunk in ((0, r), (1, n - 1 - r)):
+            start = chunk * lengths // n
+            size = (chunk + 1) * lengths // n - start
+            halves.append(torch.stack([doc_slot + half * c, size, docs, start, cu[:-1] + start], 1))
+        rows = torch.stack(halves, 1).view(-1, 5)  # (doc, half) order = slot order
+        runs.append(rows[rows[:, LEN] > 0])
+    return int(2 * c.sum()), runs
 
 
-def _build_contiguous(cu: torch.Tensor, world: int):
+def _contiguous_runs(cu: torch.Tensor, world: int) -> tuple[int, list[torch.Tensor]]:
     """Equal contiguous slices of the stream; the stream is padded at its end."""
     total = int(cu[-1])
     local_len = -(-total // world)
-    g = torch.arange(world * local_len).view(world, local_len)
-    real = g < total
-    d = torch.searchsorted(cu, g.clamp(max=max(total - 1, 0)), right=True) - 1
-    d = d.clamp(max=cu.numel() - 2)
-    pos = torch.where(real, g - cu[d.clamp(min=0)], -1)
-    return torch.where(real, g, -1), torch.where(real, d, -1), pos
+    if total == 0:
+        return 0, [torch.zeros(0, 5, dtype=torch.int64) for _ in range(world)]
+    cuts = torch.arange(world + 1, dtype=torch.int64).mul_(local_len).clamp_(max=total)
+    bounds = torch.unique(torch.cat([cu, cuts]))  # sorted; every gap is a non-empty run
+    a, b = bounds[:-1], bounds[1:]
+    doc = torch.searchsorted(cu, a, right=True) - 1  # the non-empty document starting <= a
+    rank = a // local_len
+    rows = torch.stack([a - rank * local_len, b - a, doc, a - cu[doc], a], 1)
+    return local_len, [rows[rank == r] for r in range(world)]
+
+
+def _merge(runs: torch.Tensor) -> torch.Tensor:
+    """Join runs that continue each other (same document, next slot, next position)."""
+    if runs.shape[0] < 2:
+        return runs.contiguous()
+    end = runs[:-1, SLOT] + runs[:-1, LEN]
+    cont = (
+        (runs[1:, DOC] == runs[:-1, DOC])
+        & (runs[1:, SLOT] == end)
+        & (runs[1:, POS] == runs[:-1, POS] + runs[:-1, LEN])
+    )
+    first = torch.cat([torch.ones(1, dtype=torch.bool), ~cont])
+    out = runs[first].clone()
+    group = torch.cumsum(first.long(), 0) - 1
+    out[:, LEN] = torch.zeros(out.shape[0], dtype=torch.int64).index_add_(0, group, runs[:, LEN])
+    return out
+
+
+def _expand(runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of the runs (in run order): its slot and its offset inside its run."""
+    n = runs[:, LEN]
+    offs = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+    return torch.repeat_interleave(runs[:, SLOT], n) + offs, offs
+
+
+def _spans(runs: torch.Tensor, local_len: int) -> list[tuple[int, int]]:
+    """``[(global or -1, length), ...]`` covering the slots ``0..local_len`` in order."""
+    out, prev = [], 0
+    for s, n, g in runs[:, [SLOT, LEN, GLOBAL]].tolist():
+        if s > prev:
+            out.append((-1, s - prev))
+        out.append((g, n))
+        prev = s + n
+    if local_len > prev:
+        out.append((-1, local_len - prev))
+    return out
+
+
+def _sum_min(a: torch.Tensor, n: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """``sum_{i < n} min(a + i, cap)`` elementwise."""
+    k = (cap - a + 1).clamp(min=0).minimum(n)  # terms below the cap
+    return k * a + k * (k - 1) // 2 + (n - k) * cap
+
+
+def _sum_max0(a: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``sum_{i < n} max(a + i, 0)`` elementwise."""
+    m = (-a).clamp(min=0).minimum(n)  # negative terms
+    return (n - m) * a + (n * (n - 1) - m * (m - 1)) // 2
