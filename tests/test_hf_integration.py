@@ -265,6 +265,19 @@ def test_ring_context_calls_ring_attention(monkeypatch, tmp_path_factory):
     with hf.ring_context(_Plan(inputs["cu_seq_lens_q"])):
         with pytest.raises(ValueError, match="ring attention needs one causal"):
             ours(input_ids=torch.zeros(2, 5, dtype=torch.long), use_cache=False)
+        # train mode with attention dropout: ring attention has none, so it must refuse
+        layers = [m for m in ours.modules() if hasattr(m, "attention_dropout")]
+        assert layers
+        for m in layers:
+            m.attention_dropout = 0.1
+        ours.train()
+        try:
+            with pytest.raises(ValueError, match="no attention dropout"):
+                ours(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+        finally:
+            for m in layers:
+                m.attention_dropout = 0.0
+            ours.eval()
 
 
 def _ring_worker(rank, world_size, path, samples):

@@ -173,6 +173,14 @@ def _helper_cases(rank, world):
     res["mean"] = abs(total.item() - full[mask_full, 0].mean().item())
     expect_grad = plan.shard(mask_full.double() / mask_full.sum(), rank)
     res["grad"] = (values.grad - expect_grad).abs().max().item()
+    # fp16 values: 40k tokens per rank, a ring-wide count past fp16's max (65504)
+    ones = torch.ones(40000, dtype=torch.float16, requires_grad=True)
+    half = ring_token_mean(ones, torch.ones(40000, dtype=torch.bool))
+    half.backward()
+    total16 = half.detach().float()
+    dist.all_reduce(total16)
+    res["fp16_mean"] = abs(total16.item() - 1.0)
+    res["fp16_grad"] = abs(ones.grad.float().mean().item() - 1.0 / (40000 * world))
     return res
 
 
@@ -205,6 +213,7 @@ def test_ring_attention_matches_single_device(world):
     for rank, (_, r, helpers, _) in enumerate(results):
         assert helpers["all"] and helpers["dst"]
         assert helpers["mean"] < 1e-12 and helpers["grad"] < 1e-12
+        assert helpers["fp16_mean"] < 1e-3 and helpers["fp16_grad"] < 1e-8, helpers
         assert r["world"] and f"world_size={world + 1}" in r["world"]
         assert r["length"] and ("local_len" in r["length"] or "rank(s) [" in r["length"])
         assert r["plan"] and "disagree" in r["plan"]

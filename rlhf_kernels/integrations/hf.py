@@ -177,6 +177,11 @@ def rlhf_attention_forward(
                 f"attention mask, got batch {bsz}, mask "
                 f"{attention_mask is not None}, causal {causal}"
             )
+        if dropout > 0:
+            raise ValueError(
+                f"ring attention has no attention dropout, got dropout={dropout} (set the "
+                f"config's attention_dropout to 0 or call model.eval())"
+            )
         from rlhf_kernels.ring.attention import ring_varlen_attention
 
         out = ring_varlen_attention(

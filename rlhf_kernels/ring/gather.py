@@ -82,7 +82,9 @@ def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> tor
             f"values and mask must be tensors, got {type(values).__name__} and "
             f"{type(mask).__name__}"
         )
-    mask = mask.to(values.dtype)
-    count = torch.broadcast_to(mask, values.shape).sum().detach().to(torch.float64)
+    # count in float64 and sum in fp32: an fp16 count overflows at 65k tokens, bf16 rounds at 257
+    count = torch.broadcast_to(mask, values.shape).detach().sum(dtype=torch.float64)
     dist.all_reduce(count, group=group)
-    return (values * mask).sum() / count.clamp(min=1).to(values.dtype)
+    acc = torch.promote_types(values.dtype, torch.float32)
+    total = (values.to(acc) * mask.to(acc)).sum()
+    return (total / count.clamp(min=1).to(acc)).to(values.dtype)
