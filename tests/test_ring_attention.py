@@ -180,7 +180,8 @@ def _helper_cases(rank, world):
     total16 = half.detach().float()
     dist.all_reduce(total16)
     res["fp16_mean"] = abs(total16.item() - 1.0)
-    res["fp16_grad"] = abs(ones.grad.float().mean().item() - 1.0 / (40000 * world))
+    expect = 1.0 / (40000 * world)  # subnormal in fp16: compare relatively
+    res["fp16_grad"] = abs(ones.grad.float().mean().item() - expect) / expect
     return res
 
 
@@ -213,7 +214,7 @@ def test_ring_attention_matches_single_device(world):
     for rank, (_, r, helpers, _) in enumerate(results):
         assert helpers["all"] and helpers["dst"]
         assert helpers["mean"] < 1e-12 and helpers["grad"] < 1e-12
-        assert helpers["fp16_mean"] < 1e-3 and helpers["fp16_grad"] < 1e-8, helpers
+        assert helpers["fp16_mean"] < 1e-3 and helpers["fp16_grad"] < 1e-2, helpers
         assert r["world"] and f"world_size={world + 1}" in r["world"]
         assert r["length"] and ("local_len" in r["length"] or "rank(s) [" in r["length"])
         assert r["plan"] and "disagree" in r["plan"]
