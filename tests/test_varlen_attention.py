@@ -196,7 +196,7 @@ def _args(**over):
         (
             dict(q=torch.randn(7, 4, 300), k=torch.randn(7, 2, 300), v=torch.randn(7, 2, 300)),
             ValueError,
-            "<= 256",
+            r"\[1, 256\]",
         ),
         (dict(q=torch.randn(7, 4, 40, device="meta")), ValueError, "same device"),
     ],
@@ -232,3 +232,70 @@ def test_cu_seqlens_validation_is_cached_but_sees_in_place_edits():
     cu[1] = 9  # bumps the version counter: must be re-read and rejected
     with pytest.raises(ValueError, match="non-decreasing"):
         check_cu_seqlens(cu, 7)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (2, -1))])
+def test_torch_backend_fused_path_with_unequal_lengths(causal, window):
+    """No lse/softcap takes the SDPA path where it is valid; lq != lk must stay bottom-right."""
+    lens_q, lens_k = [3, 9, 1, 6], [7, 9, 4, 2]
+    q, k, v = _qkv(lens_q, lens_k, dtype=torch.float32)
+    ref, _ = varlen_attention_reference(
+        q.double(),
+        k.double(),
+        v.double(),
+        _cu(lens_q),
+        _cu(lens_k),
+        causal=causal,
+        window_size=window,
+    )
+    out = varlen_attention(
+        q, k, v, _cu(lens_q), _cu(lens_k), causal=causal, window_size=window, backend="torch"
+    )
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+
+
+def test_sliding_window_self_attention_uses_fused_path_and_matches():
+    q, k, v = _qkv(LENS, LENS, dtype=torch.float32)
+    for window in [(4, 0), (3, 2), (-1, 5)]:
+        ref, _ = varlen_attention_reference(
+            q.double(), k.double(), v.double(), _cu(LENS), _cu(LENS), window_size=window
+        )
+        out = varlen_attention(q, k, v, _cu(LENS), _cu(LENS), window_size=window, backend="torch")
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+
+
+def test_oversized_max_seqlen_is_accepted():
+    a = _args()
+    out = varlen_attention(**a, max_seqlen_q=4096, max_seqlen_k=4096, causal=True)
+    torch.testing.assert_close(out, varlen_attention(**a, causal=True), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(window_size=None), TypeError, "pair of ints"),
+        (dict(window_size=(2.5, 0)), TypeError, "pair of ints"),
+        (dict(softcap=float("nan")), ValueError, "finite number"),
+    ],
+)
+def test_bad_option_types(over, exc, match):
+    with pytest.raises(exc, match=match):
+        varlen_attention(**_args(), **over)
+
+
+def test_degenerate_shapes_raise():
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\], got 0"):
+        varlen_attention(
+            **_args(q=torch.randn(7, 4, 0), k=torch.randn(7, 2, 0), v=torch.randn(7, 2, 0))
+        )
+    with pytest.raises(ValueError, match="at least one head"):
+        varlen_attention(**_args(q=torch.randn(7, 0, 40)))
+
+
+def test_triton_reads_strided_cu_seqlens_correctly():
+    """A strided cu_seqlens view once made the kernels read (and write) out of bounds."""
+    cu = torch.tensor([0, 99, 4, 99, 10, 99], dtype=torch.int32)[::2]  # [0, 4, 10], stride 2
+    q, k, v = _qkv([4, 6], [4, 6], dtype=torch.float32)
+    out = varlen_attention(q, k, v, cu, cu, causal=True, backend="triton")
+    ref = varlen_attention(q, k, v, cu.contiguous(), cu.contiguous(), causal=True, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)

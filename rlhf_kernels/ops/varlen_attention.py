@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -111,26 +112,31 @@ def _torch_varlen_attention(
 ):
     """Per-sequence loop. Memory is bounded by the longest sequence, never by the whole pack.
 
-    Plain causal/full self-attention without lse uses SDPA (fused on CPU and CUDA); everything
-    else uses the explicit fp32 math of the reference.
+    Without lse or softcap, SDPA (fused on CPU and CUDA) handles full attention, causal
+    self-attention and sliding windows over self-attention (``lq == lk``: every query sees its
+    own key, so no row is empty). Everything else uses the explicit fp32 math of the reference.
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
     cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    plain = softcap == 0 and not return_lse and tuple(window_size) == (-1, -1)
+    fused = softcap == 0 and not return_lse
+    windowed = tuple(window_size) != (-1, -1)
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
         qs = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
         ks = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
         vs = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
-        if plain and lk > 0 and (not causal or lq == lk):
+        if fused and lk > 0 and (lq == lk or not (causal or windowed)):
+            # SDPA's is_causal is top-left aligned: only used where lq == lk makes it agree
+            mask = attention_mask(lq, lk, causal, window_size, q.device) if windowed else None
             o = F.scaled_dot_product_attention(
                 qs.unsqueeze(0),
                 ks.unsqueeze(0),
                 vs.unsqueeze(0),
+                attn_mask=mask,
                 dropout_p=dropout_p,
-                is_causal=causal and lq > 0,
+                is_causal=causal and not windowed and lq > 0,
                 scale=scale,
                 enable_gqa=group > 1,
             )[0]
@@ -172,8 +178,10 @@ def _check_inputs(
         )
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) must match")
-    if q.shape[2] > 256:
-        raise ValueError(f"head_dim must be <= 256, got {q.shape[2]}")
+    if not 0 < q.shape[2] <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {q.shape[2]}")
+    if q.shape[1] == 0:
+        raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"heads of q ({q.shape[1]}) must be a multiple of kv heads of k ({k.shape[1]})"
@@ -194,10 +202,14 @@ def _check_inputs(
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if len(tuple(window_size)) != 2:
-        raise ValueError(f"window_size must be (left, right), got {window_size!r}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if not softcap >= 0 or softcap == float("inf"):  # also rejects NaN
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
     return cu_q, cu_k
 
 
@@ -276,10 +288,10 @@ def varlen_attention(
         raise TypeError(f"backend='flash_attn' needs fp16/bf16, got {q.dtype}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     window_size = (int(window_size[0]), int(window_size[1]))
-    if max_seqlen_q is None:
-        max_seqlen_q = max((b - a for a, b in zip(cu_q[:-1], cu_q[1:])), default=0)
-    if max_seqlen_k is None:
-        max_seqlen_k = max((b - a for a, b in zip(cu_k[:-1], cu_k[1:])), default=0)
+    # grids are sized by the real longest sequence (validation read cu_seqlens anyway), so an
+    # oversized max_seqlen_* (a fixed constant, as flash-attn callers often pass) costs nothing
+    max_seqlen_q = max((b - a for a, b in zip(cu_q[:-1], cu_q[1:])), default=0)
+    max_seqlen_k = max((b - a for a, b in zip(cu_k[:-1], cu_k[1:])), default=0)
 
     if backend == "torch":
         return _torch_varlen_attention(

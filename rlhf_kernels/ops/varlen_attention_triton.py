@@ -5,7 +5,7 @@ k/v ``(total_k, KVH, D)``, ``cu_seqlens_*`` int32 ``(batch + 1,)``, lse ``(H, to
 The semantics are those of ``varlen_attention_reference`` (bottom-right aligned causal mask,
 ``(left, right)`` sliding window, softcap, output 0 and lse ``-inf`` for a query that sees no key).
 
-* Forward: one launch for the whole pack, grid ``(cdiv(max_seqlen_q, BLOCK_M), batch, H)``;
+* Forward: one launch for the whole pack, grid ``(batch, cdiv(max_seqlen_q, BLOCK_M), H)``;
   programs past their sequence's end exit. Online softmax in fp32 with exp2 (scores carried in
   log2 units); only the key blocks that the causal/window mask leaves visible to a query block
   are visited, so no ``T x T`` matrix exists anywhere.
@@ -137,8 +137,8 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # k and v share shape and strides (contiguous copies made by the host wrapper)
-    start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1)
+    b = tl.program_id(0)  # sequences on axis 0: CUDA caps axes 1-2 at 65535
+    start_m = tl.program_id(1) * BLOCK_M
     h = tl.program_id(2)
     q0 = tl.load(CU_Q + b)
     lq = tl.load(CU_Q + b + 1) - q0
@@ -223,8 +223,8 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # q/dO share strides; k/v/dk/dv share strides (contiguous); lse/delta are (H, total_q).
-    start_n = tl.program_id(0) * BLOCK_N
-    b = tl.program_id(1)
+    b = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
     kh = tl.program_id(2)
     k0 = tl.load(CU_K + b)
     lk = tl.load(CU_K + b + 1) - k0
@@ -285,8 +285,8 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # q/dO/dQ share strides; k/v share strides (contiguous); lse/delta are (H, total_q).
-    start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1)
+    b = tl.program_id(0)  # sequences on axis 0: CUDA caps axes 1-2 at 65535
+    start_m = tl.program_id(1) * BLOCK_M
     h = tl.program_id(2)
     q0 = tl.load(CU_Q + b)
     lq = tl.load(CU_Q + b + 1) - q0
@@ -445,7 +445,7 @@ def varlen_attention_triton_forward(
     )
     _launch(
         _fwd_kernel,
-        lambda bm, bn: (triton.cdiv(max_seqlen_q, bm), batch, heads),
+        lambda bm, bn: (batch, triton.cdiv(max_seqlen_q, bm), heads),
         args,
         meta,
         _block_sizes(dim, q.dtype, backward=False),
@@ -525,7 +525,7 @@ def varlen_attention_triton_backward(
     blocks = _block_sizes(dim, q.dtype, backward=True)
     _launch(
         _bwd_dkdv_kernel,
-        lambda bm, bn: (triton.cdiv(max_seqlen_k, bn), batch, kv_heads),
+        lambda bm, bn: (batch, triton.cdiv(max_seqlen_k, bn), kv_heads),
         (q, k, v, dout, lse, delta, dk, dv, *common),
         meta,
         blocks,
@@ -533,7 +533,7 @@ def varlen_attention_triton_backward(
     )
     _launch(
         _bwd_dq_kernel,
-        lambda bm, bn: (triton.cdiv(max_seqlen_q, bm), batch, heads),
+        lambda bm, bn: (batch, triton.cdiv(max_seqlen_q, bm), heads),
         (q, k, v, dout, lse, delta, dq, *common),
         meta,
         blocks,
@@ -568,7 +568,9 @@ class VarlenAttentionTriton(torch.autograd.Function):
         softcap,
     ):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        # the kernels read cu_seqlens[b] at base + b: int32 and unit stride
+        cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
+        cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
         out, lse = varlen_attention_triton_forward(
             q,
             k,
