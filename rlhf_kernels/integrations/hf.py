@@ -12,7 +12,9 @@ The attention function picks, in order:
 1. ``ring_context(plan, ...)`` active: ``rlhf_kernels.ring.attention.ring_varlen_attention`` on
    this rank's tokens (batch 1); ``cu_seqlens``/``position_ids`` are ignored (the plan has them).
 2. A 2-D padding mask ``(B, kv_len)``: the padded batch is unpadded, run varlen, re-padded
-   (padding query rows give 0).
+   (padding query rows give 0). Each row's real tokens are one sequence: ``position_ids`` are
+   not read here, so do not combine padding with several samples packed in one row (pack
+   without a mask instead).
 3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`.
 4. ``position_ids``: a new sample starts wherever ``pos[t] != pos[t - 1] + 1`` (transformers'
    own packed-sequence rule). Computed once per forward and reused by every layer.
