@@ -18,6 +18,8 @@ upcast at a time).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -28,14 +30,22 @@ except ImportError:  # Triton is optional
 
 BACKENDS = ("auto", "triton", "torch")
 _CHUNK_ELEMS = 1 << 22  # torch backend: fp32 elements upcast per row chunk (16 MiB)
+_MAX_BLOCK_V = 4096  # triton backend: vocab block per loop step
+# Label range check: a host sync (aminmax + compare) per call. Always on CPU; on CUDA only
+# when RLHF_KERNELS_DEBUG=1 (there the torch backend's gather asserts on device anyway).
+CHECK_LABELS_ON_CUDA = os.environ.get("RLHF_KERNELS_DEBUG", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- reference
 def logprobs_reference(logits, labels, temperature=1.0):
-    """Readable math in logits' dtype (callers pass float64 for a reference): (logp, entropy)."""
+    """Readable math in logits' dtype (callers pass float64 for a reference): (logp, entropy).
+
+    ``p * log p`` is taken as 0 where ``p = 0`` (``-inf`` logits, e.g. a masked vocabulary).
+    """
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    p = logp_all.exp()
+    entropy = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
     return logp, entropy
 
 
@@ -46,88 +56,125 @@ def _rows_per_chunk(V: int) -> int:
 
 def _row_buffers(z):
     """Two reusable fp32 ``(rows, V)`` buffers: no fresh allocation per row chunk."""
-    rows = min(_rows_per_chunk(z.shape[1]), z.shape[0])
-    return [torch.empty(rows, z.shape[1], dtype=torch.float32, device=z.device) for _ in "ab"]
+    rows = min(_rows_per_chunk(z.shape[2]), z.shape[0] * z.shape[1])
+    return [torch.empty(rows, z.shape[2], dtype=torch.float32, device=z.device) for _ in "ab"]
+
+
+def _chunks(z):
+    """Yield ``(r0, view)``: ``view`` a strided ``(n, V)`` slice of ``z`` ``(B, S, V)`` holding
+    flat rows ``r0 : r0 + n`` (row ``r = b * S + s``). Views only: nothing is copied."""
+    B, S, V = z.shape
+    step = _rows_per_chunk(V)
+    for b in range(B):
+        for s0 in range(0, S, step):
+            yield b * S + s0, z[b, s0 : s0 + step]
+
+
+_NEG = torch.finfo(torch.float32).min  # stands in for -inf where 0 * -inf would give NaN
 
 
 def _forward_torch(z, labels, tau, want_entropy):
-    R, _ = z.shape
+    R = z.shape[0] * z.shape[1]
     lse = torch.empty(R, dtype=torch.float32, device=z.device)
     logp = torch.empty_like(lse)
     ent = torch.empty_like(lse) if want_entropy else None
-    step = _rows_per_chunk(z.shape[1])
     buf_u, buf_e = _row_buffers(z)
-    for s in range(0, R, step):
-        sl = slice(s, s + step)
-        n = z[sl].shape[0]
-        u = torch.div(z[sl], tau, out=buf_u[:n])  # (rows, V) fp32: the only upcast copy
+    for r0, zc in _chunks(z):
+        n = zc.shape[0]
+        sl = slice(r0, r0 + n)
+        u = torch.div(zc, tau, out=buf_u[:n])  # (rows, V) fp32: the only upcast copy
         m = u.amax(1)
         u.sub_(m[:, None])  # u - max <= 0
         e = torch.exp(u, out=buf_e[:n])
         log_s = torch.log(e.sum(1))
         lse[sl] = m + log_s
         logp[sl] = u.gather(1, labels[sl, None])[:, 0] - log_s
-        if want_entropy:  # H = log s - sum(e * (u - m)) / s
+        if want_entropy:  # H = log s - sum(e * (u - m)) / s; -inf logits have e = 0
+            u.clamp_(min=_NEG)
             ent[sl] = log_s - torch.bmm(e[:, None], u[:, :, None])[:, 0, 0] / log_s.exp()
     return logp, ent, lse
 
 
 def _backward_torch(z, labels, tau, lse, ent, g_logp, g_ent):
-    grad = torch.empty_like(z)
-    step = _rows_per_chunk(z.shape[1])
+    B, S, V = z.shape
+    grad = torch.empty(B * S, V, dtype=z.dtype, device=z.device)
     buf_u, buf_p = _row_buffers(z)
     g_logp = g_logp / tau  # fold d u / d z = 1 / tau into the upstream gradients
     g_ent = None if g_ent is None else g_ent / tau
-    for s in range(0, z.shape[0], step):
-        sl = slice(s, s + step)
-        n = z[sl].shape[0]
-        logp_all = torch.div(z[sl], tau, out=buf_u[:n]).sub_(lse[sl, None])
+    for r0, zc in _chunks(z):
+        n = zc.shape[0]
+        sl = slice(r0, r0 + n)
+        logp_all = torch.div(zc, tau, out=buf_u[:n]).sub_(lse[sl, None])
         p = torch.exp(logp_all, out=buf_p[:n])
         if g_ent is not None:
-            # -p * (log p + H) * g_H, then the log-prob term
-            g = logp_all.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
+            # -p * (log p + H) * g_H, then the log-prob term (p = 0 where log p = -inf)
+            g = logp_all.clamp_(min=_NEG).add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
             g.addcmul_(p, g_logp[sl, None], value=-1.0)
         else:
             g = p.mul_(-g_logp[sl, None])
         g.scatter_add_(1, labels[sl, None], g_logp[sl, None])
         grad[sl] = g
-    return grad
+    return grad.view(B, S, V)
 
 
 # ----------------------------------------------------------------------------- triton backend
 if triton is not None:
 
     @triton.jit
+    def _row_ptr(z_ptr, row, S, stride_b, stride_s):
+        """Row ``row = b * S + s`` of a ``(B, S, V)`` view with strides (stride_b, stride_s, 1)."""
+        r = row.to(tl.int64)
+        b = r // S
+        return z_ptr + b * stride_b + (r - b * S) * stride_s
+
+    @triton.jit
     def _logprobs_fwd_kernel(
-        z_ptr, stride, lab_ptr, logp_ptr, ent_ptr, lse_ptr, V, inv_tau, BLOCK_V: tl.constexpr
+        z_ptr,
+        S,
+        stride_b,
+        stride_s,
+        lab_ptr,
+        logp_ptr,
+        ent_ptr,
+        lse_ptr,
+        V,
+        inv_tau,
+        BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0)
-        z_row = z_ptr + row.to(tl.int64) * stride
+        z_row = _row_ptr(z_ptr, row, S, stride_b, stride_s)
         cols = tl.arange(0, BLOCK_V)
         m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
         s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)  # sum exp(u - m)
-        t = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)  # sum exp(u - m) * u
+        t = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)  # sum exp(u - m) * (u - m)
         for start in range(0, V, BLOCK_V):
             ok = start + cols < V
             u = tl.load(z_row + start + cols, mask=ok, other=float("-inf")).to(tl.float32)
             u = u * inv_tau
             m_new = tl.maximum(m, tl.max(u, axis=0))
-            scale = tl.exp(m - m_new)
-            e = tl.where(ok, tl.exp(u - m_new), 0.0)
+            # -inf logits (masked vocab, padding lanes) contribute e = 0 and no 0 * -inf
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            live = m > float("-inf")
+            scale = tl.where(live, tl.exp(m - m_safe), 0.0)
+            shift = tl.where(live, m - m_safe, 0.0)  # re-base t from m to m_new
+            d = tl.maximum(u - m_safe, -3.0e38)  # finite, so e * d = 0 (not NaN) where e = 0
+            e = tl.exp(d)
+            t = scale * (t + shift * s) + tl.sum(e * d, axis=0)
             s = s * scale + tl.sum(e, axis=0)
-            t = t * scale + tl.sum(e * tl.where(ok, u, 0.0), axis=0)
             m = m_new
         lse = m + tl.log(s)
         label = tl.load(lab_ptr + row)
         u_lab = tl.load(z_row + label).to(tl.float32) * inv_tau
         tl.store(lse_ptr + row, lse)
         tl.store(logp_ptr + row, u_lab - lse)
-        tl.store(ent_ptr + row, lse - t / s)
+        tl.store(ent_ptr + row, tl.log(s) - t / s)
 
     @triton.jit
     def _logprobs_bwd_kernel(
         z_ptr,
-        stride,
+        S,
+        stride_b,
+        stride_s,
         g_ptr,
         lab_ptr,
         lse_ptr,
@@ -140,7 +187,7 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0)
-        z_row = z_ptr + row.to(tl.int64) * stride
+        z_row = _row_ptr(z_ptr, row, S, stride_b, stride_s)
         g_row = g_ptr + row.to(tl.int64) * V
         cols = tl.arange(0, BLOCK_V)
         lse = tl.load(lse_ptr + row)
@@ -153,7 +200,7 @@ if triton is not None:
             idx = start + cols
             ok = idx < V
             u = tl.load(z_row + idx, mask=ok, other=0.0).to(tl.float32) * inv_tau
-            logp = u - lse
+            logp = tl.maximum(u - lse, -3.0e38)  # finite, so p * logp = 0 where p = 0
             p = tl.exp(logp)
             g = tl.where(idx == label, g_lp, 0.0) - p * g_lp
             if HAS_ENT:
@@ -161,39 +208,31 @@ if triton is not None:
             tl.store(g_row + idx, (g * inv_tau).to(g_ptr.dtype.element_ty), mask=ok)
 
     def _block_v(V: int) -> int:
-        return min(4096, triton.next_power_of_2(V))
+        return min(_MAX_BLOCK_V, triton.next_power_of_2(V))
 
 
 def _forward_triton(z, labels, tau, want_entropy):
-    R, V = z.shape
-    lse = torch.empty(R, dtype=torch.float32, device=z.device)
+    B, S, V = z.shape
+    lse = torch.empty(B * S, dtype=torch.float32, device=z.device)
     logp, ent = torch.empty_like(lse), torch.empty_like(lse)
-    if R:
-        _logprobs_fwd_kernel[(R,)](
-            z, z.stride(0), labels, logp, ent, lse, V, 1.0 / tau, BLOCK_V=_block_v(V)
-        )
+    if B * S:
+        _logprobs_fwd_kernel[(B * S,)](
+            z, S, z.stride(0), z.stride(1), labels, logp, ent, lse, V, 1.0 / tau,
+            BLOCK_V=_block_v(V),
+        )  # fmt: skip
     return logp, (ent if want_entropy else None), lse
 
 
 def _backward_triton(z, labels, tau, lse, ent, g_logp, g_ent):
-    R, V = z.shape
-    grad = torch.empty(R, V, dtype=z.dtype, device=z.device)
+    B, S, V = z.shape
+    grad = torch.empty(B, S, V, dtype=z.dtype, device=z.device)
     has_ent = g_ent is not None
-    if R:
-        _logprobs_bwd_kernel[(R,)](
-            z,
-            z.stride(0),
-            grad,
-            labels,
-            lse,
-            ent if has_ent else lse,
-            g_logp,
-            g_ent if has_ent else g_logp,
-            V,
-            1.0 / tau,
-            HAS_ENT=has_ent,
-            BLOCK_V=_block_v(V),
-        )
+    if B * S:
+        _logprobs_bwd_kernel[(B * S,)](
+            z, S, z.stride(0), z.stride(1), grad, labels, lse,
+            ent if has_ent else lse, g_logp, g_ent if has_ent else g_logp,
+            V, 1.0 / tau, HAS_ENT=has_ent, BLOCK_V=_block_v(V),
+        )  # fmt: skip
     return grad
 
 
@@ -250,12 +289,30 @@ def _check(logits, labels, temperature, backend):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and triton is None:
         raise ValueError("backend='triton' needs the triton package, which is not installed")
-    if labels.numel():
+    if labels.numel() and (not labels.is_cuda or CHECK_LABELS_ON_CUDA):
         lo, hi = torch.aminmax(labels)
         if lo < 0 or hi >= logits.shape[-1]:
             raise ValueError(
                 f"labels must lie in [0, {logits.shape[-1]}), got values in [{int(lo)}, {int(hi)}]"
             )
+
+
+def _as_rows(logits):
+    """``logits`` ``[..., V]`` as a ``(B, S, V)`` view with unit vocab stride, rows ``b * S + s``.
+
+    Two leading strides cover the usual shifted slice ``logits[:, :-1]`` of a ``(B, T, V)``
+    tensor without a copy; only layouts that fit neither one nor two row strides (or a
+    non-unit vocab stride) are copied.
+    """
+    V = logits.shape[-1]
+    if logits.stride(-1) != 1 and V > 1:
+        logits = logits.contiguous()
+    for shape in ((1, -1, V), (-1, logits.shape[-2] if logits.dim() > 2 else 1, V)):
+        try:
+            return logits.view(shape)
+        except RuntimeError:
+            pass
+    return logits.reshape(1, -1, V)
 
 
 def logprobs_from_logits(
@@ -282,16 +339,13 @@ def logprobs_from_logits(
     _check(logits, labels, temperature, backend)
     if backend == "auto":
         backend = "triton" if logits.is_cuda and triton is not None else "torch"
-    V = logits.shape[-1]
-    z = logits.reshape(-1, V)
-    if z.stride(-1) != 1:
-        z = z.contiguous()
-    lab = labels.reshape(-1).long()
+    lab = labels.reshape(-1).long().contiguous()  # the kernels index labels by flat row
     if logits.dtype == torch.float64:  # keep float64 end to end (reference-grade path)
-        backend = "torch"
-        logp, ent = logprobs_reference(z, lab, temperature)
+        logp, ent = logprobs_reference(logits, labels.long(), temperature)
     else:
-        logp, ent = _LogProbs.apply(z, lab, float(temperature), return_entropy, backend)
+        logp, ent = _LogProbs.apply(
+            _as_rows(logits), lab, float(temperature), return_entropy, backend
+        )
     logp = logp.reshape(labels.shape)
     if return_entropy:
         return logp, ent.reshape(labels.shape)
