@@ -182,3 +182,54 @@ def test_linear_policy_loss_matches_composition(small_budget, agg, monkeypatch):
     torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-5)
     for a, r in zip(args, ref_args):
         torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_requires_grad"])
+def test_fused_losses_forward_only(mode, monkeypatch):
+    # without grad the fused losses must not build (or allocate) any gradient buffers
+    from contextlib import nullcontext
+
+    made = []
+    orig = lp_mod._new_grads
+    monkeypatch.setattr(lp_mod, "_new_grads", lambda *a: made.append(a[2]) or orig(*a))
+    h, w, b, labels = _inputs()
+    old, adv, mask = torch.randn(T) - 7, torch.randn(T), torch.rand(T) > 0.3
+    leaves = [t.clone().requires_grad_(mode != "no_requires_grad") for t in (h, w, b)]
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, nullcontext)
+    with ctx():
+        nll = linear_nll_loss(leaves[0], leaves[1], labels, mask, bias=leaves[2])
+        pol = lp_mod.linear_policy_loss(leaves[0], leaves[1], labels, old, adv, mask, bias=b)
+    assert made == []
+    assert not nll.requires_grad and not pol.requires_grad
+    lp, _ = linear_logprobs_reference(h.double(), w.double(), labels, b.double())
+    ref = -(lp * mask).sum() / mask.sum()
+    torch.testing.assert_close(nll.double(), ref, atol=1e-5, rtol=1e-5)
+    from rlhf_kernels.ops.losses import policy_loss
+
+    torch.testing.assert_close(
+        pol.double(),
+        policy_loss(lp, old.double(), adv.double(), mask, cu_seqlens=torch.tensor([0, T])),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_masked_vocab_and_large_offset_entropy():
+    # -inf bias masks part of the vocab (several vocab chunks, one all -inf): finite entropy
+    # and gradients; a +3000 logit offset keeps entropy accurate (accumulated relative to max)
+    h, w, b, labels = _inputs()
+    b = b.clone()
+    b[256:600] = float("-inf")
+    labels = torch.where((labels >= 256) & (labels < 600), labels % 256, labels)
+    w_lp, w_ent = torch.randn(T), torch.randn(T)
+    out = _grads(_ours(labels, 0.9, chunk_tokens=29, chunk_vocab=256), h, w, b, w_lp, w_ent)
+    ref = _grads(_ref(labels, 0.9), h.double(), w.double(), b.double(), w_lp, w_ent)
+    for o, r in zip(out[:4], ref[:4]):  # logp, entropy, dhidden, dweight (dbias is -inf-fed)
+        assert torch.isfinite(r).all()
+        torch.testing.assert_close(o.double(), r, atol=2e-5, rtol=2e-5)
+    big = torch.full((V,), 3000.0)
+    _, ent = linear_logprobs(h, w, labels, big, return_entropy=True, chunk_vocab=256)
+    _, r_ent = linear_logprobs_reference(h.double(), w.double(), labels, big.double())
+    _, t_ent = linear_logprobs_reference(h, w, labels, big)  # plain torch fp32, full logits
+    err, err_torch = [(e.double() - r_ent).abs().max() for e in (ent, t_ent)]
+    assert err <= 2 * err_torch, (err, err_torch)

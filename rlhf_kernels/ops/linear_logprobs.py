@@ -3,7 +3,8 @@
 ``u = (hidden @ weight.T + bias) / tau`` is computed one ``(Tc, Vc)`` block at a time:
 
 - forward: token chunks x vocab chunks with an online log-sum-exp per token (running max ``m``,
-  ``s = sum exp(u - m)``, ``t = sum exp(u - m) * u``); keeps only ``lse``, ``logp``, ``entropy``
+  ``s = sum exp(u - m)``, ``t = sum exp(u - m) * (u - m)``, relative to the running max so a
+  large common logit offset does not cancel); keeps only ``lse``, ``logp``, ``entropy``
   (three fp32 vectors of length ``T``).
 - backward: recomputes each block from the saved ``lse`` (``p = exp(u - lse)``), forms
   ``dU = g_logp * (onehot - p) - g_ent * p * (log p + H)``, and accumulates
@@ -16,7 +17,8 @@ mean storing ``(T, V)`` partials, exactly what we avoid. The price is one extra 
 of the naive 3); the gain is that no ``(T, V)`` tensor is ever alive, in any dtype.
 When the result is a scalar loss the upstream gradient is one number, so ``linear_nll_loss``
 (SFT) and ``linear_policy_loss`` (PPO) do compute gradients in the forward, in one pass
-(``_FusedLinearLoss``, 3 matmuls), whenever the whole vocabulary fits one block.
+(``_FusedLinearLoss``, 3 matmuls), whenever the whole vocabulary fits one block; under
+``no_grad`` / ``inference_mode``, or when no input requires grad, they run the forward only.
 
 Chunk rule (``_chunk_sizes``): a block budget of ``B = max(T * H, 2**22)`` fp32 elements (as
 large as the hidden states themselves, at least 16 MiB). Vocab chunk ``Vc = min(V, B // H)``
@@ -28,10 +30,14 @@ the budget), token chunk ``Tc = clamp(B // Vc, 16, T)``. Matmuls run in the inpu
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 _MIN_BUDGET = 1 << 22
+_NEG = torch.finfo(torch.float32).min  # stands in for -inf where 0 * -inf would give NaN
+# Label range check: a host sync per call. Always on CPU; on CUDA only with RLHF_KERNELS_DEBUG=1.
+CHECK_LABELS_ON_CUDA = os.environ.get("RLHF_KERNELS_DEBUG", "0") == "1"
 
 
 def _chunk_sizes(T: int, H: int, V: int) -> tuple[int, int]:
@@ -49,7 +55,8 @@ def linear_logprobs_reference(hidden, weight, labels, bias=None, temperature=1.0
         logits = logits + bias
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, labels[:, None]).squeeze(-1)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
+    p = logp_all.exp()  # p log p = 0 where p = 0 (-inf logits)
+    return logp, -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -102,18 +109,24 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy):
             col, here = _label_in_chunk(lab, v0, u.shape[1])
             u_lab += torch.where(here, u.gather(1, col)[:, 0], 0.0)
             m_new = torch.maximum(m, u.amax(1))
-            scale = torch.exp(m - m_new)
-            u.sub_(m_new[:, None])  # u - m_new <= 0
+            # -inf logits (e.g. a -inf bias masking vocab) give e = 0 and never 0 * -inf
+            m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+            live = m > -math.inf
+            scale = torch.where(live, torch.exp(m - m_safe), 0.0)
+            u.sub_(m_safe[:, None])  # u - m_new <= 0
             e = torch.exp(u, out=_view(buf_e, u))
             e_sum = e.sum(1)
-            if want_entropy:  # t = sum e * u_original = sum e * (u - m) + m * sum e
-                t = t * scale + torch.bmm(e[:, None], u[:, :, None])[:, 0, 0] + m_new * e_sum
+            if want_entropy:  # t = sum e * (u - m), kept relative to the running max
+                u.clamp_(min=_NEG)
+                shift = torch.where(live, (m - m_safe) * s, 0.0)
+                t = (t + shift) * scale + torch.bmm(e[:, None], u[:, :, None])[:, 0, 0]
             s = s * scale + e_sum
             m = m_new
         sl = slice(t0, t0 + n)
-        lse[sl] = m + torch.log(s)
+        log_s = torch.log(s)
+        lse[sl] = m + log_s
         logp[sl] = u_lab - lse[sl]
-        ent[sl] = lse[sl] - t / s
+        ent[sl] = log_s - t / s
     return logp, (ent if want_entropy else None), lse
 
 
@@ -167,8 +180,8 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
             sl = slice(t0, t0 + hc.shape[0])
             logp = _block(buf_u, hc, wc, bc, inv_tau, lse=lse[sl])  # (n, nv) log p
             p = torch.exp(logp, out=_view(buf_p, logp))
-            if g_ent is not None:  # -g_ent * p * (log p + H) - g_lp * p
-                g = logp.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
+            if g_ent is not None:  # -g_ent * p * (log p + H) - g_lp * p; p = 0 at log p = -inf
+                g = logp.clamp_(min=_NEG).add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
                 g.addcmul_(p, g_lp[sl, None], value=-1.0)
             else:
                 g = p.mul_(-g_lp[sl, None])
@@ -294,6 +307,21 @@ def _fits_one_pass(T: int, H: int, V: int, dtype: torch.dtype) -> tuple[bool, in
     return ok, tc
 
 
+def _grad_wanted(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _logprobs_no_grad(hidden, weight, labels, bias, temperature):
+    """Forward only (no_grad / inference_mode / nothing requires grad): ``(T,)`` fp32 logp.
+
+    No gradient buffers, no saved tensors, no extra matmuls."""
+    T, H = hidden.shape
+    tc, vc = _chunk_sizes(T, H, weight.shape[0])
+    inv_tau = 1.0 / float(temperature)
+    b_s = _scaled_bias(bias, inv_tau)
+    return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False)[0]
+
+
 # ----------------------------------------------------------------------------- API
 def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab):
     for name, t in (("hidden", hidden), ("weight", weight)):
@@ -326,7 +354,7 @@ def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab)
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if c is not None and c < 1:
             raise ValueError(f"{name} must be >= 1, got {c}")
-    if labels.numel():
+    if labels.numel() and (not labels.is_cuda or CHECK_LABELS_ON_CUDA):
         lo, hi = torch.aminmax(labels)
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(
@@ -393,6 +421,8 @@ def linear_nll_loss(
         raise ValueError(f"mask must have shape ({T},), got {tuple(mask.shape)}")
     m = torch.ones(T, device=hidden.device) if mask is None else mask.to(torch.float32)
     wt = m / m.sum().clamp_min(1.0)  # per-token weight of -logp in the loss
+    if not _grad_wanted(hidden, weight, bias):  # forward only: no gradients made or saved
+        return -(_logprobs_no_grad(hidden, weight, labels, bias, temperature) * wt).sum()
     one_pass, tc = _fits_one_pass(T, H, V, weight.dtype)
     if one_pass:
         nll = lambda logp, sl: -(wt[sl] * logp).sum()
@@ -450,6 +480,8 @@ def linear_policy_loss(
         tok = losses._ppo_token_loss(logp, ref[sl], adv[sl], clip_low, clip_high, dual_clip)[0]
         return (tok * wt[sl]).sum()
 
+    if not _grad_wanted(hidden, weight, bias):  # forward only: no gradients made or saved
+        return ppo(_logprobs_no_grad(hidden, weight, labels, bias, temperature), slice(0, T))
     one_pass, tc = _fits_one_pass(T, H, V, weight.dtype)
     if one_pass:
         return _FusedLinearLoss.apply(
