@@ -1,8 +1,9 @@
 """broadcast_chunked / scatter_for_ring / distributed_rollouts on real gloo ranks.
 
-One 3-rank spawn runs every correctness case (each rank checks what it received against samples
-it regenerates from the seed); two 2-rank spawns check that a dead or stalled source raises
-instead of hanging.
+One 3-rank spawn (``run_gloo``) runs every correctness case (each rank checks what it received
+against samples it regenerates from the seed); three 2-rank spawns check that a dead or stalled
+source, or a rank that never joins the handshake, makes the others raise instead of hang (they
+break the group on purpose, so they use a harness whose workers skip the shutdown handshake).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf_kernels.comm import broadcast_chunked, distributed_rollouts, scatter_for_ring
+from rlhf_kernels.comm._wire import META_LIMIT
+from rlhf_kernels.ring.spawn import run_gloo
 
 pytestmark = pytest.mark.multiproc
 
@@ -26,6 +29,7 @@ BIG = 9000  # fp32 elements of the oversize sample: 36 kB, ~9 budgets
 
 
 # ----------------------------------------------------------------------------- harness
+# for the cases that break the group on purpose (run_gloo shuts every worker down cleanly)
 def _entry(fn, rank, world, store, queue, clean_exit):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -127,11 +131,15 @@ def _tensor_bytes(sample):
     )
 
 
-def _token_samples(seed: int, n: int, big_at: int | None = None) -> list[dict]:
+def _token_samples(seed: int, n: int, big_at: int | None = None, long: bool = False) -> list[dict]:
+    """Short samples (one of them 701 tokens), or ``long`` ones (1600-2900 tokens: zigzag runs of
+    267+ tokens on 3 ranks, so the source sends views of them)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         length = [0, 1, 47, 31, 67, 2, 123][i % 7] if i != big_at else 701
+        if long:
+            length = 1601 + 97 * (i % 13)
         out.append(
             {
                 "input_ids": torch.randint(0, 50_000, (length,), generator=g),
@@ -199,6 +207,12 @@ def _case_bad_arguments(rank, world):
                 max_chunk_bytes=BUDGET,
             )
         )
+    with pytest.raises(ValueError, match="allow_early_stop"):
+        list(
+            broadcast_chunked(
+                [{"x": torch.ones(3)}] if rank == 0 else None, src=0, allow_early_stop=rank == 1
+            )
+        )
     with pytest.raises(ValueError, match="max_chunk_bytes"):
         broadcast_chunked(None, src=0, max_chunk_bytes=10)  # local check, nothing sent
     with pytest.raises(ValueError, match="src"):
@@ -209,15 +223,85 @@ def _case_bad_arguments(rank, world):
 
 def _case_source_stops_early(rank, world):
     expected = _mixed_samples(seed=4, n=40)
-    stream = broadcast_chunked(expected if rank == 2 else None, src=2, max_chunk_bytes=BUDGET)
+    out = {}
+    for allow in (True, False):
+        stream = broadcast_chunked(
+            expected if rank == 2 else None, src=2, max_chunk_bytes=BUDGET, allow_early_stop=allow
+        )
+        got = []
+        if rank == 2 or allow:
+            for mb in stream:
+                got.append([s["id"] for s in mb])
+                if rank == 2 and len(got) == 3:
+                    stream.close()  # the source's trainer stops: receivers end at the same point
+                    break
+        else:  # not opted in: an early stop is an error on the receivers
+            with pytest.raises(RuntimeError, match="stopped the stream early, after 3 micro"):
+                for mb in stream:
+                    got.append([s["id"] for s in mb])
+        assert len(got) == 3
+        out[allow] = got
+    assert out[True] == out[False]
+    return out[True]
+
+
+def _case_source_loop_raises(rank, world):
+    """The source's own loop body fails after 3 micro-batches: receivers must not mistake the
+    dropped generator for the end of the rollout."""
+    samples = _mixed_samples(seed=7, n=40) if rank == 0 else None
     got = []
-    for mb in stream:
-        got.append([s["id"] for s in mb])
-        if rank == 2 and len(got) == 3:
-            stream.close()  # the source's trainer stops: receivers end at the same point
-            break
+
+    def consume():
+        for mb in broadcast_chunked(samples, src=0, max_chunk_bytes=BUDGET):
+            got.append([s["id"] for s in mb])
+            if rank == 0 and len(got) == 3:
+                raise KeyError("trainer step failed on the source")
+
+    match = "trainer step" if rank == 0 else "source rank 0 stopped the stream early, after 3"
+    with pytest.raises(KeyError if rank == 0 else RuntimeError, match=match):
+        consume()
     assert len(got) == 3
     return got
+
+
+def _case_metadata_heavy(rank, world):
+    """~18 MB of per-sample text (over META_LIMIT in one header) under the default budget, and
+    metadata-only samples under a small budget: both must stream in several micro-batches."""
+    n, width = 6000, 3000
+    assert n * width > META_LIMIT
+    text = [{"id": i, "text": f"{i:>{width}}", "e": torch.empty(0)} for i in range(n)]
+    sizes = []
+    for mb in broadcast_chunked(text if rank == 0 else None, src=0):
+        assert [s["id"] for s in mb] == list(range(sum(sizes), sum(sizes) + len(mb)))
+        assert all(s["text"] == f"{s['id']:>{width}}" and s["e"].shape == (0,) for s in mb)
+        sizes.append(len(mb))
+    assert sum(sizes) == n and len(sizes) >= 3
+    meta_only = [
+        {"id": i, "info": {"prompt": "x" * 100, "tags": list(range(20))}} for i in range(200)
+    ]
+    counts = [
+        len(mb)
+        for mb in broadcast_chunked(meta_only if rank == 1 else None, src=1, max_chunk_bytes=BUDGET)
+    ]
+    assert sum(counts) == 200 and len(counts) > 1  # metadata counts toward the budget
+    return sizes, counts
+
+
+def _failing_generate(prompts):
+    if dist.get_rank() == 1:
+        raise MemoryError("vllm OOM on rank 1")
+    return list(_generate(prompts))
+
+
+def _case_generate_raises(rank, world):
+    """generate fails on rank 1 only: every rank raises with rank 1's message (nobody waits in
+    a collective), and the group stays usable."""
+    with pytest.raises(
+        RuntimeError, match=r"rank\(s\) \[1\].*MemoryError: vllm OOM on rank 1"
+    ) as e:
+        list(distributed_rollouts(list(range(6)), _failing_generate, timeout=30))
+    assert (rank == 1) == isinstance(e.value.__cause__, MemoryError)
+    dist.barrier()
 
 
 def _check_shards(rank, world, plan, local, meta, expected, keys):
@@ -237,14 +321,21 @@ def _check_shards(rank, world, plan, local, meta, expected, keys):
 def _case_scatter(rank, world):
     keys = ["input_ids", "logp", "hidden"]
     out = {}
-    for layout in ("zigzag", "contiguous"):
-        expected = _token_samples(seed=5, n=29, big_at=9)
-        ids, got_bytes, full_bytes = [], 0, 0
+    # short samples (packed on the source), long ones (sent from views of their runs)
+    for layout, long, budget in (
+        ("zigzag", False, BUDGET),
+        ("contiguous", False, BUDGET),
+        ("zigzag", True, 24 * BUDGET),
+        ("contiguous", True, 24 * BUDGET),
+    ):
+        expected = _token_samples(seed=5, n=29, big_at=9, long=long)
+        ids, got_bytes, full_bytes, sizes = [], 0, 0, []
         src_samples = expected if rank == 0 else None
         stream = scatter_for_ring(
-            src_samples, src=0, token_keys=keys, layout=layout, max_chunk_bytes=BUDGET
+            src_samples, src=0, token_keys=keys, layout=layout, max_chunk_bytes=budget
         )
         for plan, local, meta in stream:
+            sizes.append(len(meta))
             assert plan.layout == layout and plan.world_size == world
             _check_shards(rank, world, plan, local, meta, expected, keys)
             ids.extend(m["id"] for m in meta)
@@ -255,9 +346,10 @@ def _case_scatter(rank, world):
                 for k in keys
             )
         assert ids == list(range(29))
+        assert max(sizes) > 1
         # about 1/world of the token bytes (plus zigzag pads)
         assert got_bytes < 0.5 * full_bytes
-        out[layout] = (got_bytes, full_bytes)
+        out[layout, long] = (got_bytes, full_bytes)
     return out
 
 
@@ -301,7 +393,7 @@ def _case_distributed(rank, world):
     keys = ["input_ids", "logp"]
     ids = []
     for plan, local, meta in distributed_rollouts(
-        prompts, _generate, token_keys=keys, max_chunk_bytes=BUDGET
+        prompts, _generate, token_keys=keys, max_chunk_bytes=BUDGET, timeout=60
     ):
         by_id = {(s["prompt"], s["j"]): s for s in everything}
         ids.extend((m["prompt"], m["j"]) for m in meta)
@@ -318,6 +410,9 @@ def _all_cases(rank, world):
         _case_source_raises,
         _case_bad_arguments,
         _case_source_stops_early,
+        _case_source_loop_raises,
+        _case_metadata_heavy,
+        _case_generate_raises,
         _case_scatter,
         _case_scatter_bad_sample,
         _case_distributed,
@@ -326,21 +421,22 @@ def _all_cases(rank, world):
     return out
 
 
-def test_three_ranks_all_cases(tmp_path):
-    res = _spawn(_all_cases, 3, tmp_path)
+def test_three_ranks_all_cases():
+    res = run_gloo(_all_cases, 3, timeout_s=240)
     # micro-batch boundaries and delivered samples agree across ranks
     for name in (
         "_case_broadcast",
         "_case_source_raises",
         "_case_source_stops_early",
+        "_case_source_loop_raises",
         "_case_scatter_bad_sample",
     ):
         assert res[0][name] == res[1][name] == res[2][name], name
     assert res[0]["_case_scatter_bad_sample"] == list(range(8))
     # each rank receives ~1/3 of the token bytes; together ~all of them (pads only)
-    for layout in ("zigzag", "contiguous"):
-        full = res[0]["_case_scatter"][layout][1]
-        total = sum(res[r]["_case_scatter"][layout][0] for r in range(3))
+    for key in res[0]["_case_scatter"]:
+        full = res[0]["_case_scatter"][key][1]
+        total = sum(res[r]["_case_scatter"][key][0] for r in range(3))
         assert full <= total < 1.3 * full
 
 
@@ -401,3 +497,20 @@ def _source_stalls(rank, world):
 def test_stalled_source_times_out(tmp_path):
     res = _spawn(_source_stalls, 2, tmp_path, clean_exit=False)
     assert res[1] == res[0][: len(res[1])]
+
+
+def _rank_never_joins(rank, world):
+    """Rank 1 never starts the stream (e.g. it failed before it, process alive): the handshake
+    on rank 0 must honour ``timeout``."""
+    if rank == 1:
+        time.sleep(6)
+        return None
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="handshake did not finish within"):
+        list(broadcast_chunked([{"x": torch.ones(3)}], src=0, timeout=1.0))
+    return time.monotonic() - start
+
+
+def test_handshake_honours_timeout(tmp_path):
+    res = _spawn(_rank_never_joins, 2, tmp_path, clean_exit=False)
+    assert res[0] < 4, res[0]

@@ -3,8 +3,9 @@
 Both sides run one micro-batch ahead: header ``i`` is exchanged and payload ``i`` is put in flight
 before micro-batch ``i - 1`` is yielded, so the transfer overlaps the caller's work. The stream
 ends with an END header, an ERROR header (the source's iterable raised; the message travels in
-it) or an ABORT header (the source's caller closed the generator early). In every case all ranks
-yield the same micro-batches.
+it) or an ABORT header (the source's caller closed the generator early, or raised in its loop
+body and so dropped it). In every case all ranks yield the same micro-batches; on ABORT the
+receivers then raise, unless every rank opted in to early stops (``allow_early_stop``).
 """
 
 from __future__ import annotations
@@ -57,24 +58,38 @@ def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, d
         raise
 
 
-def recv_loop(header: _wire.Header, receive: Receive, who: str, src: int) -> Iterator:
-    """Receiver side, mirror of ``send_loop``."""
+def recv_loop(
+    header: _wire.Header, receive: Receive, who: str, src: int, allow_early_stop: bool = False
+) -> Iterator:
+    """Receiver side, mirror of ``send_loop``. On ABORT it returns if ``allow_early_stop``, else
+    raises ``RuntimeError`` (after the micro-batches the source yielded)."""
     prev = None  # (value, works still filling it)
+    yielded = 0
     while True:
         status, n, word, desc = header.recv(who)
         if status == _wire.BATCH:
             current = receive(desc, n, word)
         if prev is not None:
             _wait_all(prev[1])  # (a loop variable here would pin the last piece's buffer)
-            if status == _wire.ABORT:  # the source never yielded this one
-                return
-            value, prev = prev[0], None
-            yield value
-            del value  # hold nothing of a yielded micro-batch while receiving the next
+            if status != _wire.ABORT:  # on ABORT the source never yielded this one
+                value, prev = prev[0], None
+                yield value
+                yielded += 1
+                del value  # hold nothing of a yielded micro-batch while receiving the next
+            prev = None
         if status == _wire.BATCH:
             prev, current = current, None
-        elif status == _wire.END or status == _wire.ABORT:
+        elif status == _wire.END:
             return
+        elif status == _wire.ABORT:
+            if allow_early_stop:
+                return
+            raise RuntimeError(
+                f"{who}: the source rank {src} stopped the stream early, after {yielded} "
+                "micro-batch(es): its caller closed the generator or raised while consuming "
+                "it (see the source's own error). Pass allow_early_stop=True on every rank if "
+                "early stops are intended"
+            )
         elif status == _wire.ERROR:
             raise RuntimeError(f"{who}: the source rank {src} failed: {desc}")
         else:

@@ -73,13 +73,20 @@ class Sender:
 
     @torch.no_grad()
     def send(self, tensors: list[torch.Tensor], offsets: list[int], total: int, send_fns) -> None:
-        """Send the stream made of ``tensors`` once through every function of ``send_fns``."""
+        """Send the stream made of ``tensors`` (at increasing ``offsets``) once through every
+        function of ``send_fns``."""
         contiguous: dict[int, torch.Tensor] = {}  # tensors split across pieces, made flat once
+        sizes = [nbytes(t) for t in tensors]
+        first = 0  # offsets increase: tensors before ``first`` ended in earlier pieces
         for start in range(0, total, self.piece_bytes):
             stop = min(total, start + self.piece_bytes)
             buf = self._slot(stop - start)
-            for j, (t, off) in enumerate(zip(tensors, offsets)):
-                n = nbytes(t)
+            while first < len(tensors) and offsets[first] + sizes[first] <= start:
+                first += 1
+            for j in range(first, len(tensors)):
+                t, off, n = tensors[j], offsets[j], sizes[j]
+                if off >= stop:
+                    break
                 lo, hi = max(off, start), min(off + n, stop)
                 if lo >= hi:
                     continue

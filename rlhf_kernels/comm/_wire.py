@@ -9,6 +9,7 @@ offsets, so a receiver can view them in place without a staging copy.
 from __future__ import annotations
 
 import pickle
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
@@ -21,6 +22,8 @@ MAGIC = 0x524C484B  # "RLHK"
 ALIGN = 16  # largest element size of a torch dtype (complex128)
 MIN_CHUNK_BYTES = 1024
 META_LIMIT = 16 << 20  # pickled metadata per micro-batch; tensors belong in tensors
+META_BUDGET = META_LIMIT // 2  # what micro_batches lets the per-sample estimates add up to
+MESSAGE_BYTES = 512  # error text carried by a status all-gather (truncated)
 
 # control word: [MAGIC, status, n_samples, payload_bytes, meta_bytes, seq]
 BATCH, END, ERROR, ABORT = 0, 1, 2, 3
@@ -49,17 +52,58 @@ def fingerprint(text: str) -> int:
     return zlib.crc32(text.encode())  # stable across processes, unlike hash()
 
 
-def handshake(fields: dict[str, int], local_error: str | None, *, group, device, who: str) -> None:
+def wait(work, timeout: timedelta | None, what: str, poll: bool = False) -> None:
+    """Wait for an async collective, at most ``timeout`` (None: the group's own timeout).
+
+    On NCCL ``work.wait(timeout)`` only orders the CUDA stream (the CPU does not block unless
+    ``TORCH_NCCL_BLOCKING_WAIT`` is set), so there the CPU polls ``work.is_completed()``
+    against a deadline instead (``poll=True``: buffers on a CUDA device).
+    """
+    if timeout is None:
+        work.wait()
+        return
+    try:
+        if poll:
+            deadline = time.monotonic() + timeout.total_seconds()
+            delay = 1e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("deadline passed")
+                time.sleep(delay)
+                delay = min(2 * delay, 1e-3)
+            work.wait()
+        else:
+            work.wait(timeout)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{what} did not finish within {timeout} (timeout): a rank stalled, failed or "
+            "never joined; the group is unusable now"
+        ) from exc
+
+
+def all_gather_rows(row: list[int], *, group, device, timeout, what: str) -> list[list[int]]:
+    """All-gather one int64 row per rank (same length everywhere), bounded by ``timeout``."""
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    wait(work, timeout, what, poll=device.type == "cuda")
+    return [g.tolist() for g in gathered]
+
+
+def handshake(
+    fields: dict[str, int], local_error: str | None, *, group, device, who: str, timeout=None
+) -> None:
     """All-gather every rank's argument fingerprint; raise the same error on every rank when
-    the ranks disagree or any rank was called with bad arguments."""
+    the ranks disagree or any rank was called with bad arguments. ``timeout`` (a timedelta or
+    None) bounds the wait for ranks that never join."""
     names = list(fields)
-    mine = torch.tensor(
-        [MAGIC, int(local_error is None)] + [fields[n] for n in names], dtype=torch.int64
+    rows = all_gather_rows(
+        [MAGIC, int(local_error is None)] + [fields[n] for n in names],
+        group=group,
+        device=device,
+        timeout=timeout,
+        what=f"{who}: the handshake",
     )
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
-    dist.all_gather(gathered, mine.to(device), group=group)
-    rows = [g.tolist() for g in gathered]
     if local_error is not None:
         raise ValueError(local_error)
     bad = [r for r, row in enumerate(rows) if row[1] != 1 or row[0] != MAGIC]
@@ -77,6 +121,16 @@ def handshake(fields: dict[str, int], local_error: str | None, *, group, device,
             )
 
 
+def encode_message(text: str) -> list[int]:
+    """``text`` as MESSAGE_BYTES ints (utf-8, truncated, zero padded) for an int64 row."""
+    data = text.encode()[:MESSAGE_BYTES]
+    return list(data) + [0] * (MESSAGE_BYTES - len(data))
+
+
+def decode_message(values: list[int]) -> str:
+    return bytes(v for v in values if v).decode(errors="replace")
+
+
 def tensor_nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
@@ -89,21 +143,39 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
         )
 
 
-def micro_batches(samples: Iterable, budget, max_chunk_bytes: int) -> Iterator[list]:
-    """Greedy in-order split of ``samples`` into lists whose ``budget(sample)`` sum stays
-    within ``max_chunk_bytes``; a sample over the budget forms a micro-batch alone. If
-    ``samples`` raises (or a sample is invalid), the samples before it are yielded first."""
-    batch, used = [], 0
+def meta_nbytes(obj: Any) -> int:
+    """Pickled size of one sample's share of a micro-batch description."""
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def micro_batches(
+    samples: Iterable, budget, max_chunk_bytes: int, meta_size=None
+) -> Iterator[list]:
+    """Greedy in-order split of ``samples`` into lists whose ``budget(sample, i)`` (tensor bytes)
+    plus ``meta_size(sample)`` (pickled description bytes, when given) sum stays within
+    ``max_chunk_bytes``, and whose ``meta_size`` sum also stays within ``META_BUDGET`` (so the
+    pickled header of any micro-batch stays under ``META_LIMIT`` whatever the sample count). A
+    sample over a budget forms a micro-batch alone. If ``samples`` raises (or a sample is
+    invalid), the samples before it are yielded first."""
+    batch, used, used_meta = [], 0, 0
     try:
         for i, sample in enumerate(samples):
             if not isinstance(sample, Mapping):
                 raise TypeError(f"samples[{i}] must be a dict, got {type(sample).__name__}")
-            size = budget(sample, i)
-            if batch and used + size > max_chunk_bytes:
+            meta = 0 if meta_size is None else meta_size(sample)
+            if meta > META_BUDGET:
+                raise ValueError(
+                    f"samples[{i}]: its non-tensor fields pickle to {meta} bytes, over the "
+                    f"{META_BUDGET}-byte limit for one sample's metadata; send large fields "
+                    "(long texts, arrays) as tensors"
+                )
+            size = budget(sample, i) + meta
+            if batch and (used + size > max_chunk_bytes or used_meta + meta > META_BUDGET):
                 yield batch
-                batch, used = [], 0
+                batch, used, used_meta = [], 0, 0
             batch.append(sample)
             used += size
+            used_meta += meta
     except Exception:
         if batch:
             yield batch
@@ -114,11 +186,10 @@ def micro_batches(samples: Iterable, budget, max_chunk_bytes: int) -> Iterator[l
 
 def dumps_meta(obj: Any, who: str) -> bytes:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) > META_LIMIT:
+    if len(data) > META_LIMIT:  # micro_batches keeps descriptions far below this
         raise ValueError(
-            f"{who}: the non-tensor metadata of one micro-batch pickles to "
-            f"{len(data)} bytes, over the {META_LIMIT}-byte limit; send large "
-            "fields as tensors (or lower max_chunk_bytes)"
+            f"{who}: the description of one micro-batch pickles to {len(data)} bytes, over "
+            f"the {META_LIMIT}-byte limit; send large non-tensor fields as tensors"
         )
     return data
 
@@ -134,16 +205,8 @@ class Header:
 
     def _bcast(self, t: torch.Tensor) -> None:
         work = dist.broadcast(t, src=self.gsrc, group=self.group, async_op=True)
-        if self.timeout is None:
-            work.wait()
-            return
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"header exchange with the source rank {self.src} did not finish within "
-                f"{self.timeout} (timeout): a rank stalled or failed; the group is unusable now"
-            ) from exc
+        what = f"header exchange with the source rank {self.src}"
+        wait(work, self.timeout, what, poll=self.device.type == "cuda")
 
     def send(self, status: int, meta: Any = None) -> None:
         self.send_raw(status, b"" if meta is None else dumps_meta(meta, "header"))

@@ -10,11 +10,14 @@ next micro-batch is in flight while the caller works on the current one.
 micro-batch, builds its ``RingPlan`` and sends every rank only that rank's token shard.
 
 Failure handling: every stream starts with a handshake (``all_gather`` of each rank's
-arguments), so mismatched ``max_chunk_bytes``/``src``/``token_keys``/``layout`` raise the same
-``ValueError`` on every rank. If the source's iterable raises, the error message travels in the
-next header and every receiver raises ``RuntimeError`` with it. A source that dies breaks the
-connection (gloo raises at once); a source that stalls is bounded by ``timeout`` (seconds per
-header) or by ``init_process_group(timeout=...)``.
+arguments, bounded by ``timeout``), so mismatched ``max_chunk_bytes``/``src``/``token_keys``/
+``layout``/``allow_early_stop`` raise the same ``ValueError`` on every rank. If the source's
+iterable raises, the error message travels in the next header and every receiver raises
+``RuntimeError`` with it. If the source's caller stops consuming (closes the generator, or raises
+in its loop body), the receivers raise ``RuntimeError`` too, unless every rank passed
+``allow_early_stop=True``. A source that dies breaks the connection (gloo raises at once); a rank
+that stalls or never joins is bounded by ``timeout`` (seconds per header exchange and for the
+handshake) or by ``init_process_group(timeout=...)``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,15 @@ def _sample_bytes(sample: Sample, index: int) -> int:
     return total
 
 
+def _broadcast_meta_size(sample: Sample) -> int:
+    """Pickled size of the sample's entry in ``_describe`` (8 bytes per tensor for its offset)."""
+    fields = [
+        (k, ("t", v.dtype, tuple(v.shape), 0) if isinstance(v, torch.Tensor) else ("o", v))
+        for k, v in sample.items()
+    ]
+    return _wire.meta_nbytes(fields) + 8 * sum(isinstance(v, torch.Tensor) for v in sample.values())
+
+
 def _describe(batch: list[Sample]) -> tuple[list, list[torch.Tensor]]:
     """Per sample ``[(key, ("t", dtype, shape, offset) | ("o", value))]`` and the tensors."""
     tensors = [v for s in batch for v in s.values() if isinstance(v, torch.Tensor)]
@@ -113,6 +125,7 @@ def broadcast_chunked(
     group: dist.ProcessGroup | None = None,
     max_chunk_bytes: int = 64 << 20,
     timeout: float | None = None,
+    allow_early_stop: bool = False,
 ) -> Iterator[list[Sample]]:
     """Stream ``samples`` from ``src`` to every rank of ``group`` in bounded micro-batches.
 
@@ -123,15 +136,20 @@ def broadcast_chunked(
         samples: on ``src``, an iterable (list or generator: generation may run lazily, it is
             pulled one micro-batch ahead) of dicts. Tensor values (any dtype and shape, 0-d and
             empty included, dense, on CPU or the device) travel as raw bytes; every other value is
-            metadata and is pickled (at most 16 MiB per micro-batch). ``None`` on other ranks.
+            metadata and is pickled (at most 8 MiB per sample). ``None`` on other ranks.
         src: rank within ``group`` that owns ``samples`` (the global rank when ``group`` is None).
         group: process group (default: the world). gloo stages through CPU buffers, NCCL through
             the current CUDA device.
-        max_chunk_bytes: tensor-byte budget of a micro-batch (each tensor counted rounded up to
-            16 bytes) and size of each staging buffer. A sample over the budget travels alone,
-            split over several transfers. Must be the same on every rank (checked).
-        timeout: seconds to wait for each micro-batch header before raising (default: the
-            process group's timeout).
+        max_chunk_bytes: budget of a micro-batch: tensor bytes (each tensor rounded up to 16
+            bytes) plus each sample's pickled description; also the size of each staging buffer.
+            The pickled descriptions of one micro-batch also stay under 8 MiB, so any number of
+            metadata-heavy samples streams. A sample over the budget travels alone, split over
+            several transfers. Must be the same on every rank (checked).
+        timeout: seconds to wait for the handshake and for each micro-batch header before
+            raising (default: the process group's timeout).
+        allow_early_stop: if True (on every rank, checked), the source may stop early (close
+            its generator, or raise in its loop body) and the receivers then simply end at the
+            same point. If False, the receivers raise ``RuntimeError`` in that case.
 
     Yields:
         Lists of sample dicts, the same micro-batches in the same order on every rank. On
@@ -141,32 +159,40 @@ def broadcast_chunked(
         buffers of ``max_chunk_bytes``; a receiver receives into a pool of at most three such
         blocks, each recycled once the caller has dropped every tensor of the micro-batch it
         held (keep micro-batches and fresh buffers are allocated instead, never overwritten).
-        Only the source may stop early (closing its generator ends the stream on every rank);
-        a receiver must iterate to the end.
+        A receiver must iterate to the end; only the source may stop early (see
+        ``allow_early_stop``).
 
     Raises:
         ValueError on every rank if the ranks disagree on ``src`` or ``max_chunk_bytes`` or one
         rank has invalid arguments; RuntimeError on the receivers, after the micro-batches sent
-        before it, if the source's iterable raised (the source re-raises the original error).
+        before it, if the source's iterable raised (the source re-raises the original error), or
+        if the source stopped consuming without ``allow_early_stop``; RuntimeError when
+        ``timeout`` passes.
     """
     name = "broadcast_chunked"
     rank, _ = _check_common(name, src, group, max_chunk_bytes)
     error = _samples_error(name, rank, src, samples)
-    fields = {"kind": 1, "src": src, "max_chunk_bytes": max_chunk_bytes}
-    return _stream_gen(
-        name, error, fields, src, group, timeout, _broadcast_side, samples, max_chunk_bytes
-    )
+    allow_early_stop = bool(allow_early_stop)
+    fields = {
+        "kind": 1,
+        "src": src,
+        "max_chunk_bytes": max_chunk_bytes,
+        "allow_early_stop": int(allow_early_stop),
+    }
+    side = _broadcast_side
+    args = (samples, max_chunk_bytes, allow_early_stop)
+    return _stream_gen(name, error, fields, src, group, timeout, side, *args)
 
 
 def _stream_gen(name, error, fields, src, group, timeout, side, *args):
     # argument checks ran at call time; communication starts on the first next()
     device = _wire.comm_device(group)
-    _wire.handshake(fields, error, group=group, device=device, who=name)
     header = _wire.Header(src=src, group=group, device=device, timeout=timeout)
+    _wire.handshake(fields, error, group=group, device=device, who=name, timeout=header.timeout)
     yield from side(name, header, device, *args)
 
 
-def _broadcast_side(name, header, device, samples, max_chunk_bytes):
+def _broadcast_side(name, header, device, samples, max_chunk_bytes, allow_early_stop):
     piece = _stream.piece_size(max_chunk_bytes)
     group, src = header.group, header.src
     if samples is not None:  # the source
@@ -179,7 +205,7 @@ def _broadcast_side(name, header, device, samples, max_chunk_bytes):
             start = lambda: sender.send(tensors, offsets, total, send_fns)
             return _wire.dumps_meta(desc, name), total, start, batch
 
-        batches = _wire.micro_batches(samples, _sample_bytes, max_chunk_bytes)
+        batches = _wire.micro_batches(samples, _sample_bytes, max_chunk_bytes, _broadcast_meta_size)
         yield from _protocol.send_loop(header, batches, prepare, sender.wait)
     else:
         recv = _stream.bcast_fn(header.gsrc, group)
@@ -189,7 +215,7 @@ def _broadcast_side(name, header, device, samples, max_chunk_bytes):
             flat = pool.take(total)
             return _rebuild(desc, flat), _stream.recv_into(flat, piece, recv)
 
-        yield from _protocol.recv_loop(header, receive, name, src)
+        yield from _protocol.recv_loop(header, receive, name, src, allow_early_stop)
 
 
 def scatter_for_ring(
@@ -201,20 +227,22 @@ def scatter_for_ring(
     layout: str = "zigzag",
     max_chunk_bytes: int = 64 << 20,
     timeout: float | None = None,
+    allow_early_stop: bool = False,
 ) -> Iterator[tuple[RingPlan, dict[str, torch.Tensor], list[dict[str, Any]]]]:
     """Stream ``samples`` from ``src`` so that each rank of the ring ``group`` gets only its shard.
 
     For each micro-batch (tensor bytes of ``token_keys`` within ``max_chunk_bytes``) the source
-    concatenates the samples' per-token tensors into packed streams, builds the ``RingPlan`` and
-    sends every rank ``plan.shard(packed[key], rank)`` for each key, about 1/world of the bytes.
-    The header carries only ``cu_seqlens`` and the per-sample metadata; every rank rebuilds the
-    (deterministic) plan itself. Iterate it to the end on every rank of ``group``.
+    builds the ``RingPlan`` of the packed samples and sends every rank ``plan.shard(packed[key],
+    rank)`` for each key, about 1/world of the bytes. The header carries only ``cu_seqlens`` and
+    the per-sample metadata; every rank rebuilds the (deterministic) plan itself. Iterate it to
+    the end on every rank of ``group``.
 
     Cost: every rank builds each micro-batch's ``RingPlan``: O(samples x world) time and memory
-    (per-document runs, no per-token tables), so a receiver pays for its shard only. The
-    source's ``plan.shard`` is one slice copy per run; for micro-batches of very short samples
-    (runs under a few hundred tokens) it builds and caches a 4-byte-per-token gather index per
-    rank instead.
+    (per-document runs, no per-token tables), so a receiver pays for its shard only. The source
+    never packs a micro-batch whose runs average ``_VIEW_MIN_RUN`` tokens or more (a sample
+    alone, however large, included): each rank's shard streams from views of the samples' runs
+    plus zero pads, so the source holds its own shard and two staging buffers. Micro-batches of
+    many short samples (within the budget) are packed once and sharded with ``plan.shard``.
 
     Args:
         samples: on ``src``, an iterable of dicts; ``sample[key]`` for each of ``token_keys`` is a
@@ -225,9 +253,12 @@ def scatter_for_ring(
         group: the ring group (default: the world); its size is the plan's ``world_size``.
         token_keys: the per-token fields to shard (same on every rank, checked).
         layout: ``RingPlan`` layout, ``"zigzag"`` or ``"contiguous"`` (same on every rank).
-        max_chunk_bytes: budget of one micro-batch's per-token bytes (before sharding) and size
-            of the sender's staging buffers; a sample over it travels alone.
-        timeout: seconds to wait for each micro-batch header (default: the group's timeout).
+        max_chunk_bytes: budget of one micro-batch's per-token bytes (before sharding) plus the
+            samples' pickled metadata, and size of the sender's staging buffers; a sample over
+            it travels alone. Metadata of one micro-batch also stays under 8 MiB.
+        timeout: seconds to wait for the handshake and each micro-batch header (default: the
+            group's timeout).
+        allow_early_stop: as in ``broadcast_chunked`` (same on every rank, checked).
 
     Yields:
         ``(plan, local_tensors, meta)`` on every rank: ``plan`` the micro-batch's ``RingPlan``
@@ -237,8 +268,9 @@ def scatter_for_ring(
 
     Raises:
         ValueError on every rank for mismatched ``src``/``token_keys``/``layout``/
-        ``max_chunk_bytes``; RuntimeError on the receivers if the source's iterable raised or a
-        sample is malformed (the source raises the original error).
+        ``max_chunk_bytes``/``allow_early_stop``; RuntimeError on the receivers if the source's
+        iterable raised or a sample is malformed (the source raises the original error), or if
+        the source stopped consuming without ``allow_early_stop``; RuntimeError on timeout.
     """
     name = "scatter_for_ring"
     rank, world = _check_common(name, src, group, max_chunk_bytes)
@@ -256,9 +288,10 @@ def scatter_for_ring(
         "max_chunk_bytes": max_chunk_bytes,
         "token_keys": _wire.fingerprint(repr(token_keys)),
         "layout": LAYOUTS.index(layout),
+        "allow_early_stop": int(bool(allow_early_stop)),
     }
     side = _scatter_side
-    args = (samples, rank, world, token_keys, layout, max_chunk_bytes)
+    args = (samples, rank, world, token_keys, layout, max_chunk_bytes, bool(allow_early_stop))
     return _stream_gen(name, error, fields, src, group, timeout, side, *args)
 
 
@@ -285,8 +318,13 @@ def _token_budget(token_keys):
     return budget
 
 
-def _pack_tokens(batch: list[Sample], token_keys) -> tuple[list[int], dict, list]:
-    """cu_seqlens, packed per-token tensors and per-key (dtype, rest) of one micro-batch."""
+# the source sends shards from views of the samples' runs when runs average this many tokens
+# (fewer, longer copies); below it one packed copy plus ``plan.shard``'s gather is faster
+_VIEW_MIN_RUN = 256
+
+
+def _token_specs(batch: list[Sample], token_keys) -> tuple[list[int], list]:
+    """cu_seqlens and per-key (key, dtype, rest) of one micro-batch (checked against sample 0)."""
     first = batch[0]
     specs = [(k, first[k].dtype, tuple(first[k].shape[1:])) for k in token_keys]
     cu = [0]
@@ -300,8 +338,27 @@ def _pack_tokens(batch: list[Sample], token_keys) -> tuple[list[int], dict, list
                     f"sample, got {t.dtype} {tuple(t.shape)}"
                 )
         cu.append(cu[-1] + sample[token_keys[0]].shape[0])
-    packed = {k: torch.cat([s[k] for s in batch], 0) for k in token_keys}
-    return cu, packed, specs
+    return cu, specs
+
+
+def _run_pieces(plan: RingPlan, rank: int, batch: list[Sample], key, pads) -> list[torch.Tensor]:
+    """``plan.shard(packed[key], rank)`` as a list of pieces, without packing: views of each
+    run of the samples' tensors (``RingPlan.runs``: slot, length, doc, pos, global), and
+    narrowed views of the zero tensor ``pads`` for the pad slots in between."""
+    pieces, slot = [], 0
+    for start, n, doc, pos, _ in plan.runs[rank].tolist():
+        if start > slot:
+            pieces.append(pads.narrow(0, 0, start - slot))
+        pieces.append(batch[doc][key].narrow(0, pos, n))
+        slot = start + n
+    if plan.local_len > slot:
+        pieces.append(pads.narrow(0, 0, plan.local_len - slot))
+    return pieces
+
+
+def _views_worth_it(plan: RingPlan, num_samples: int) -> bool:
+    runs = sum(r.shape[0] for r in plan.runs)
+    return num_samples == 1 or runs * _VIEW_MIN_RUN <= plan.total
 
 
 def _meta_of(sample: Sample, token_keys) -> dict:
@@ -312,40 +369,58 @@ def _meta_of(sample: Sample, token_keys) -> dict:
     }
 
 
-def _scatter_side(name, header, device, samples, rank, world, token_keys, layout, max_chunk):
-    piece = _stream.piece_size(max_chunk)
+def _scatter_side(
+    name, header, device, samples, rank, world, token_keys, layout, max_chunk, allow_early_stop
+):
+    # a rank's shard is ~1/world of a micro-batch: transfers (and staging buffers) of that size
+    piece = _stream.piece_size(max(max_chunk // world, _wire.MIN_CHUNK_BYTES))
     group, src = header.group, header.src
     if samples is not None:  # the source
         sender = _stream.Sender(piece, device)
 
         def prepare(batch):
-            cu, packed, specs = _pack_tokens(batch, token_keys)
+            cu, specs = _token_specs(batch, token_keys)
             plan = RingPlan.build(cu, world, layout)
             meta = [_meta_of(s, token_keys) for s in batch]
             desc = {"cu": cu, "specs": specs, "meta": meta, "local_len": plan.local_len}
+            if _views_worth_it(plan, len(batch)):
+                # pads: at most one slot per zigzag chunk, fewer than world at a contiguous end
+                gap = max((n for _, n in _gaps(plan)), default=0)
+                pads = {k: batch[0][k].new_zeros((gap, *rest)) for k, _, rest in specs}
+
+                def shard_pieces(r):
+                    return [_run_pieces(plan, r, batch, k, pads[k]) for k in token_keys]
+            else:
+                with torch.no_grad():
+                    packed = {k: torch.cat([s[k] for s in batch], 0) for k in token_keys}
+
+                def shard_pieces(r):
+                    return [[plan.shard(packed[k], r)] for k in token_keys]
+
             with torch.no_grad():
-                own = {k: plan.shard(packed[k], rank) for k in token_keys}
+                own = {
+                    k: torch.cat(p) if p else batch[0][k].new_zeros((0, *rest))
+                    for (k, _, rest), p in zip(specs, shard_pieces(rank))
+                }
 
             def start():
+                nonlocal shard_pieces
                 with torch.no_grad():
                     for r in range(world):
-                        if r == rank:
-                            continue
-                        shards = [plan.shard(packed[k], r) for k in token_keys]
-                        offsets, total = _stream.layout([_stream.nbytes(t) for t in shards])
-                        send = [_stream.isend_fn(_wire.global_rank(group, r), group)]
-                        sender.send(shards, offsets, total, send)
-                packed.clear()  # the packed micro-batch is not kept while the caller works
+                        if r != rank:
+                            _send_shard(sender, shard_pieces(r), group, r)
+                shard_pieces = None  # nothing of the micro-batch is kept while the caller works
 
             return _wire.dumps_meta(desc, name), cu[-1], start, (plan, own, meta)
 
-        batches = _wire.micro_batches(samples, _token_budget(token_keys), max_chunk)
+        meta_size = lambda s: _wire.meta_nbytes(_meta_of(s, token_keys)) + 16  # + cu entry
+        budget = _token_budget(token_keys)
+        batches = _wire.micro_batches(samples, budget, max_chunk, meta_size)
         yield from _protocol.send_loop(header, batches, prepare, sender.wait)
     else:
         recv = _stream.irecv_fn(header.gsrc, group)
-        # a rank's shards are ~1/world of a micro-batch; blocks leave 25% for zigzag pads
-        block = _wire.align(piece // world + piece // (4 * world))
-        pool = _stream.RecvPool(min(piece, block), device)
+        # receive blocks leave 25% for zigzag pads
+        pool = _stream.RecvPool(_wire.align(piece + piece // 4), device)
 
         def receive(desc, n, total):
             shapes = [(desc["local_len"], *rest) for _, _, rest in desc["specs"]]
@@ -366,4 +441,31 @@ def _scatter_side(name, header, device, samples, rank, world, token_keys, layout
             }
             return (plan, local, desc["meta"]), works
 
-        yield from _protocol.recv_loop(header, receive, name, src)
+        yield from _protocol.recv_loop(header, receive, name, src, allow_early_stop)
+
+
+def _gaps(plan: RingPlan):
+    """``(slot, length)`` of every pad stretch of every rank."""
+    for runs in plan.runs:
+        slot = 0
+        for start, n in runs[:, :2].tolist():
+            if start > slot:
+                yield slot, start - slot
+            slot = start + n
+        if plan.local_len > slot:
+            yield slot, plan.local_len - slot
+
+
+def _send_shard(sender: _stream.Sender, pieces_per_key: list, group, dst: int) -> None:
+    """Send one rank's shards (per key, a list of pieces laid end to end along dim 0) as the
+    stream the receiver expects: one 16-byte aligned region per key."""
+    sizes = [sum(_stream.nbytes(p) for p in pieces) for pieces in pieces_per_key]
+    key_offsets, total = _stream.layout(sizes)
+    tensors, offsets = [], []
+    for pieces, off in zip(pieces_per_key, key_offsets):
+        for p in pieces:
+            tensors.append(p)
+            offsets.append(off)
+            off += _stream.nbytes(p)
+    send = [_stream.isend_fn(_wire.global_rank(group, dst), group)]
+    sender.send(tensors, offsets, total, send)

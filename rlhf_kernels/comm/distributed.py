@@ -5,16 +5,19 @@ samples alone and holding all of them, rank ``r`` generates the rollouts of its 
 of the prompts (all ranks in parallel, each holding 1/world of the samples), then rank 0, 1, ...
 streams its own rollouts to the group in bounded micro-batches. Shares are contiguous, so with a
 per-prompt deterministic ``generate`` the samples arrive in the same order as when one rank
-generates everything.
+generates everything. If ``generate`` raises on any rank, every rank raises before anything
+is streamed, with the failing ranks' messages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from . import _wire
 from .broadcast import broadcast_chunked, scatter_for_ring
 
 
@@ -46,13 +49,27 @@ def distributed_rollouts(
         token_keys: None streams whole samples with ``broadcast_chunked`` (yields lists of
             samples); otherwise the per-token keys for ``scatter_for_ring`` (yields
             ``(plan, local_tensors, meta)``).
-        layout, max_chunk_bytes, timeout: passed on (same on every rank).
+        layout, max_chunk_bytes: passed on (same on every rank).
+        timeout: seconds to wait for the other ranks to finish generating (the status
+            exchange after ``generate``) and then for each header (default: the group's
+            timeout). Generation times differ across ranks: leave room for the slowest.
 
     Yields: what ``broadcast_chunked`` or ``scatter_for_ring`` yields, rank 0's micro-batches
-    first, then rank 1's, ...; the same on every rank.
+    first, then rank 1's, ...; the same on every rank. Iterate to the end on every rank (no
+    early stop).
+
+    Raises:
+        RuntimeError on every rank if ``generate`` raised on any rank (the message names the
+        failing ranks and their errors; the failing rank chains its original exception), or
+        when ``timeout`` passes; what the streams raise.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = list(generate(local_share(prompts, rank, world)))
+    error, mine = None, None
+    try:
+        mine = list(generate(local_share(prompts, rank, world)))
+    except Exception as exc:  # every rank must hear of it, or the others wait forever
+        error = exc
+    _exchange_status(error, group, timeout)
     for owner in range(world):
         samples = _consume(mine) if rank == owner else None
         if token_keys is None:
@@ -70,6 +87,24 @@ def distributed_rollouts(
                 timeout=timeout,
             )
         yield from stream
+
+
+def _exchange_status(error: Exception | None, group, timeout: float | None) -> None:
+    """All-gather an ok flag and error text per rank; raise on every rank if any failed."""
+    text = "" if error is None else f"{type(error).__name__}: {error}"
+    rows = _wire.all_gather_rows(
+        [int(error is None), *_wire.encode_message(text)],
+        group=group,
+        device=_wire.comm_device(group),
+        timeout=None if timeout is None else timedelta(seconds=timeout),
+        what="distributed_rollouts: the status exchange after generate",
+    )
+    failed = {r: _wire.decode_message(row[1:]) for r, row in enumerate(rows) if row[0] != 1}
+    if failed:
+        lines = "; ".join(f"rank {r}: {msg}" for r, msg in failed.items())
+        raise RuntimeError(
+            f"distributed_rollouts: generate raised on rank(s) {sorted(failed)}: {lines}"
+        ) from error
 
 
 def _consume(items: list) -> Iterator:
