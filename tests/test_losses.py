@@ -32,7 +32,8 @@ def _ref_policy(logp, old, adv, mask, lo, hi, dual, agg):
                 loss = torch.minimum(loss, -a * dual)
             s, n = s + loss, n + 1
         tot, cnt = tot + s, cnt + n
-        per_seq.append(s / max(n, 1) if agg == "seq-mean-token-mean" else s)
+        if n:  # sequences without a selected token are left out of the sequence mean
+            per_seq.append(s / n if agg == "seq-mean-token-mean" else s)
     if agg == "token-mean":
         return tot / cnt
     return sum(per_seq) / len(per_seq)
@@ -143,3 +144,42 @@ def test_bad_input():
         value_loss(x, x, x, torch.ones(2, 4))
     with pytest.raises(TypeError, match="returns must be a float tensor"):
         value_loss(x, x, x.long(), m)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_seq_mean_skips_empty_and_fully_masked_sequences(agg):
+    # padded: row 1 fully masked; packed: an empty segment and a fully masked segment
+    logp, old, adv, mask, lens = _data()
+    mask[1] = False
+    ours = policy_loss(logp, old, adv, mask, aggregation=agg)
+    ref = _ref_policy(logp, old, adv, mask, 0.2, 0.2, None, agg)  # 2 live rows
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0]
+    )
+    # packed: [row0 (67), empty, row1 (20, all masked), row2 (1)]
+    cu = torch.tensor([0, 67, 67, 87, 88])
+    pk = [torch.cat([x[i, :n] for i, n in enumerate(lens)]) for x in (logp, old, adv)]
+    pmask = torch.cat([mask[i, :n] for i, n in enumerate(lens)])
+    packed = policy_loss(*pk, pmask, cu_seqlens=cu, aggregation=agg)
+    torch.testing.assert_close(packed, ref)
+
+
+def test_dual_clip_branch_is_hit():
+    # negative advantages with ratio > dual_clip: the loss is capped at -A * dual_clip there
+    logp, old, adv, mask, _ = _data()
+    old = old.clone()
+    old[0, :30] = logp.detach()[0, :30] - 2.0  # ratio e^2 ~ 7.4 > 3
+    adv = adv.clone()
+    adv[0, :30] = -adv[0, :30].abs() - 0.1
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    out, stats = policy_loss(logp, old, adv, mask, return_stats=True, **kw)
+    ref = _ref_policy(logp, old, adv, mask, 0.2, 0.28, 3.0, "token-mean")
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, logp)[0], torch.autograd.grad(ref, logp)[0])
+    r = torch.exp(logp - old).detach()
+    hit = ((adv < 0) & (r > 3.0) & mask).sum() / mask.sum()
+    assert stats["dual_clip_frac"] > 0
+    torch.testing.assert_close(stats["dual_clip_frac"], hit.double())
+    # without the cap the loss is larger: the branch changes the value
+    assert policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28) > out + 1e-3

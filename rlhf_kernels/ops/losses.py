@@ -96,16 +96,22 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, **others):
 
 
 def _token_weights(m, seq, n_seq, aggregation):
-    """Per-token weights ``w`` with ``aggregate(x) == (x * w).sum()`` (constants: no grad)."""
+    """Per-token weights ``w`` with ``aggregate(x) == (x * w).sum()`` (constants: no grad).
+
+    Sequence means run over the sequences with at least one selected token: an empty
+    (``cu[i] == cu[i+1]``) or fully masked sequence adds nothing and is not counted.
+    """
     if aggregation == "token-mean":
         return m / m.sum().clamp_min(1)
     if n_seq == 0:
         return torch.zeros_like(m)
+    cdt = torch.promote_types(m.dtype, torch.float32)  # exact counts even for bf16 masks
+    count = torch.zeros(n_seq, dtype=cdt, device=m.device)
+    count = count.index_add(0, seq.reshape(-1), m.reshape(-1).to(cdt))
+    n_live = (count > 0).sum().clamp_min(1).to(cdt)  # sequences that count, no host sync
     if aggregation == "seq-mean-token-sum":
-        return m / n_seq
-    count = torch.zeros(n_seq, dtype=m.dtype, device=m.device)
-    count = count.index_add(0, seq.reshape(-1), m.reshape(-1))
-    return m / (count.clamp_min(1)[seq] * n_seq)  # seq-mean-token-mean
+        return (m / n_live).to(m.dtype)
+    return (m / (count.clamp_min(1)[seq] * n_live)).to(m.dtype)  # seq-mean-token-mean
 
 
 def _ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
@@ -156,7 +162,9 @@ def policy_loss(
         dual_clip: if given (> 1), for ``A < 0`` the loss is capped at ``-A * dual_clip``.
         aggregation: ``"token-mean"`` (over all selected tokens), ``"seq-mean-token-mean"``
             (token mean per sequence, then mean over sequences), ``"seq-mean-token-sum"``
-            (token sum per sequence, then mean over sequences).
+            (token sum per sequence, then mean over sequences). The sequence means skip
+            sequences without a selected token (empty segments, fully masked rows): they
+            neither add to the loss nor to the number of sequences.
         cu_seqlens: ``(S + 1,)`` boundaries for the packed layout.
         return_stats: also return a dict of detached scalars: ``clip_frac`` (tokens whose
             clipped term won), ``dual_clip_frac``, ``approx_kl`` (token mean of k3 between the
