@@ -181,3 +181,31 @@ def test_cuda_backends_match_loop():
     ref_a, ref_r = loop_gae(r, v, mask, 0.99, 0.95)
     a, ret = gae(r.float().cuda(), v.float().cuda(), gamma=0.99, lam=0.95, mask=mask.cuda())
     torch.testing.assert_close(a.double().cpu(), ref_a, atol=1e-5, rtol=1e-5)
+
+
+def _segmented(B, T, ends):
+    x = torch.randn(B, T)
+    c = torch.rand(B, T) * 0.5 + 0.5
+    c[:, ends] = 0.0  # segment ends, inside and on the edges of 16-wide blocks
+    return x, c
+
+
+def test_triton_scan_carries_across_blocks():
+    # block=16 on T=100: the row is walked in 7 blocks, segments cross block boundaries
+    x, c = _segmented(3, 100, [5, 16, 37, 38, 83])
+    ref = gae_mod.reverse_scan_loop(x.double(), c.double())
+    out = gae_mod.reverse_scan_triton(x, c, block=16)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_split_scan_matches_loop(backend):
+    # the chunked (many independent rows + carries) form used for long packed rows on CUDA
+    x, c = _segmented(2, 101, [5, 15, 16, 37, 63, 64])
+    ref = gae_mod.reverse_scan_loop(x.double(), c.double())
+    out = gae_mod._split_scan(x, c, backend, 16)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    x, c = x[:1, :96], c[:1, :96]  # one row, T a multiple of the chunk
+    ref = gae_mod.reverse_scan_loop(x.double(), c.double())
+    out = gae_mod._split_scan(x, c, backend, 16)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,10 @@ and values zeroed outside the mask, the recurrence runs over the full row).
 Backends for the scan ``(B, T) -> (B, T)``: ``native`` (C++ CPU / CUDA op from csrc/, when
 ``rlhf_kernels._C`` is built), ``triton`` (one program per row, an associative scan per block and
 a carry between blocks), ``torch`` (Hillis-Steele: log2(T) vectorised steps). The scan is
-differentiable (its adjoint is the same scan run forward in time).
+differentiable (its adjoint is the same scan run forward in time). On CUDA, fewer than
+``_SPLIT_MAX_ROWS`` rows longer than ``2 * _SPLIT_LEN`` (the packed layout is a single row) are
+cut into independent chunks plus a carry pass (``_split_scan``), so the GPU works on many
+chunks at once instead of one program per row.
 """
 
 from __future__ import annotations
@@ -139,7 +142,40 @@ def _pick_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+# A few long rows (the packed layout is ONE row) would run on one GPU program / thread block:
+# on CUDA such rows are cut into chunks of _SPLIT_LEN scanned in parallel (_split_scan).
+_SPLIT_LEN = 2048
+_SPLIT_MAX_ROWS = 64
+
+
+def _split_scan(x: torch.Tensor, coef: torch.Tensor, backend: str, chunk: int) -> torch.Tensor:
+    """Two-level reverse scan: ``(B, T)`` as ``(B * K, chunk)`` independent rows, then carries.
+
+    Each chunk ``k`` is scanned with a zero carry-in (``y_loc``) and, in the same batched call,
+    for ``b[t] = prod coef[t .. chunk end]`` (the weight of the value after the chunk), so
+    ``y = y_loc + b * carry[k]``. The carries are the chunk-start values ``Z[k + 1]`` of
+    ``Z[k] = y_loc[k, 0] + b[k, 0] * Z[k + 1]``: a small ``(B, K)`` scan.
+    """
+    B, T = x.shape
+    K = -(-T // chunk)
+    pad = K * chunk - T  # zero x and coef after the end: y there is 0, as y[T] = 0
+    xs = torch.nn.functional.pad(x, (0, pad)).view(B, K, chunk)
+    cs = torch.nn.functional.pad(coef, (0, pad)).view(B, K, chunk)
+    e_last = torch.zeros_like(xs)
+    e_last[..., -1] = cs[..., -1]  # b[last] = coef[last], then b[t] = coef[t] * b[t + 1]
+    both = _scan(
+        torch.cat([xs, e_last]).view(-1, chunk), cs.repeat(2, 1, 1).view(-1, chunk), backend
+    )
+    y_loc, b = both.view(2, B, K, chunk).unbind(0)
+    z = reverse_scan_torch(y_loc[..., 0], b[..., 0])  # (B, K) chunk-start values
+    carry = torch.cat([z[:, 1:], torch.zeros_like(z[:, :1])], dim=1)
+    return (y_loc + b * carry[..., None]).view(B, K * chunk)[:, :T]
+
+
 def _scan(x: torch.Tensor, coef: torch.Tensor, backend: str) -> torch.Tensor:
+    B, T = x.shape
+    if x.is_cuda and B < _SPLIT_MAX_ROWS and T > 2 * _SPLIT_LEN:
+        return _split_scan(x, coef, backend, _SPLIT_LEN)
     if backend == "native":
         return torch.ops.rlhf_kernels.reverse_scan(x.contiguous(), coef.contiguous())
     if backend == "triton":
