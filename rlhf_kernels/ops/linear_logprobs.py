@@ -378,7 +378,8 @@ def linear_logprobs(
     Args:
         hidden: ``(T, H)`` float32/bfloat16/float16 final hidden states (differentiable).
         weight: ``(V, H)`` lm_head weight, hidden's dtype (differentiable).
-        labels: int64 ``(T,)`` target token ids in ``[0, V)``.
+        labels: int64 ``(T,)`` target token ids in ``[0, V)`` (checked on CPU; on CUDA, where
+            the check is a host sync, only with ``RLHF_KERNELS_DEBUG=1``).
         bias: optional ``(V,)`` lm_head bias, weight's dtype (differentiable).
         temperature: > 0, divides the logits.
         return_entropy: also return the per-token entropy of the tempered distribution.

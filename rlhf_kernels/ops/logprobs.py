@@ -13,7 +13,9 @@ the backward recomputes ``p`` per row block and writes the one gradient tensor (
 
 Backends: ``triton`` (one program per row, online log-sum-exp over vocab blocks; CUDA, or CPU
 under ``TRITON_INTERPRET=1``) and ``torch`` (row chunks of at most ``_CHUNK_ELEMS`` elements
-upcast at a time).
+upcast at a time). Both read the logits in place as a ``(B, S, V)`` view with two row strides
+(``_as_rows``), so the shifted slice ``logits[:, :-1]`` is neither copied nor saved twice.
+``-inf`` logits (a masked vocabulary) have ``p = 0`` and contribute ``p log p = 0``.
 """
 
 from __future__ import annotations
@@ -330,6 +332,8 @@ def logprobs_from_logits(
         labels: int64 (or int32) ``[...]`` token ids in ``[0, V)``, logits' leading shape.
         temperature: > 0; the distribution is ``softmax(logits / temperature)``.
         return_entropy: also return the entropy of that distribution.
+            Out-of-range labels are a ValueError on CPU; on CUDA that check (a host sync) runs
+            only with ``RLHF_KERNELS_DEBUG=1``.
         backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
     Returns:
         ``logp`` ``[...]`` float32 (float64 for float64 logits on the torch backend), or
