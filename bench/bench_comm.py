@@ -20,14 +20,12 @@ serialisation, not a network.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import gc
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import pytest
@@ -35,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_kernels.comm import broadcast_chunked, scatter_for_ring
+from rlhf_kernels.comm._memory import PeakRSS, trim
 from rlhf_kernels.comm._wire import micro_batches
 from rlhf_kernels.ring.spawn import _worker as _spawn_worker
 from rlhf_kernels.ring.spawn import free_port, run_gloo
@@ -68,51 +67,6 @@ def tensor_bytes(samples) -> int:
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
-
-
-class PeakRSS:
-    """Peak RSS growth from construction: kernel high-water mark (reset through
-    /proc/self/clear_refs when allowed) and a ~1 ms sampling thread."""
-
-    def __init__(self):
-        gc.collect()
-        _trim()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm = True
-        except OSError:
-            self.hwm = False
-        self.base = self.peak = _status("VmRSS")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status("VmRSS"))
-            time.sleep(0.001)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        peak = max(self.peak, _status("VmHWM") if self.hwm else 0)
-        return peak - self.base
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _trim():
-    try:  # give freed heap pages back, so one method's garbage is not the next one's baseline
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 # ----------------------------------------------------------------------------- the methods
@@ -170,7 +124,7 @@ def sweep_worker(rank, world, payload_mb, chunk, rounds, methods):
     for method in methods:
         out[method] = measure(method, samples, rank, chunk, rounds)
         gc.collect()
-        _trim()
+        trim()
     return out
 
 

@@ -254,8 +254,9 @@ def scatter_for_ring(
         token_keys: the per-token fields to shard (same on every rank, checked).
         layout: ``RingPlan`` layout, ``"zigzag"`` or ``"contiguous"`` (same on every rank).
         max_chunk_bytes: budget of one micro-batch's per-token bytes (before sharding) plus the
-            samples' pickled metadata, and size of the sender's staging buffers; a sample over
-            it travels alone. Metadata of one micro-batch also stays under 8 MiB.
+            samples' pickled metadata; transfers and the source's two staging buffers are
+            ``max_chunk_bytes / world``. A sample over it travels alone. Metadata of one
+            micro-batch also stays under 8 MiB.
         timeout: seconds to wait for the handshake and each micro-batch header (default: the
             group's timeout).
         allow_early_stop: as in ``broadcast_chunked`` (same on every rank, checked).
