@@ -6,19 +6,25 @@ A ``RingPlan`` maps the packed stream (documents ``cu_seqlens[d]:cu_seqlens[d+1]
 are zero in ``shard``, never attend or are attended to, and carry ``ignore_index`` as label.
 
 Layouts:
-  ``"zigzag"``: each document is cut into ``2 * world_size`` chunks whose sizes differ by at most
-  one token; rank ``r`` holds chunks ``r`` and ``2W - 1 - r`` (head + tail), each padded to
-  ``ceil(L / 2W)`` slots (so at most one pad slot per chunk). Causal work (a query at position
-  ``p`` sees ``p + 1`` keys) is then the same on every rank, for any document length.
+  ``"zigzag"``: a document of ``L >= 2W`` tokens is cut into ``2W`` chunks whose sizes differ by at
+  most one token; pair ``j`` = chunks ``j`` and ``2W - 1 - j`` (head + tail: the same causal work,
+  a query at position ``p`` seeing ``p + 1`` keys, up to rounding) and each rank holds one pair,
+  the heaviest pair going to the rank with the least work so far (the chunk-to-rank mapping
+  rotates from document to document). A document shorter than ``2W`` goes whole to the rank with
+  the least work. Documents are placed longest first; each rank's pieces are packed back to back,
+  and only the end of a rank is padded to the common ``local_len``. Causal work per rank is then
+  equal to within about one short document, whatever the document lengths; pad slots only make
+  up the difference in token counts between ranks.
   ``"contiguous"``: the stream (padded at its end to a multiple of ``W``) is cut into ``W`` equal
   slices (the llama3 / OpenRLHF split); late ranks do more causal work.
 
 A plan stores only *runs*: per rank, the maximal stretches of consecutive slots holding
 consecutive tokens of one document (at most ``2 * num_docs`` per rank for zigzag,
-``num_docs + world_size`` in all for contiguous). Building one is O(num_docs * world_size) in
-time and memory, whatever the token count. Per-token tables (``global_index``, ``doc``, ``pos``,
-gather indices) are derived on demand, for the rank that asks. A plan pickles as its inputs
-(``cu_seqlens``, world size, layout), so sending one costs a few bytes per document.
+``num_docs + world_size`` in all for contiguous). Building one takes
+O(num_docs * world_size * log(world_size) + num_docs * log(num_docs)) time and
+O(num_docs * world_size) memory, whatever the token count. Per-token tables (``global_index``,
+``doc``, ``pos``, gather indices) are derived on demand, for the rank that asks. A plan pickles
+as its inputs (``cu_seqlens``, world size, layout), so sending one costs a few bytes per document.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ class RingPlan:
     def build(cls, cu_seqlens, world_size: int, layout: str = "zigzag") -> RingPlan:
         """Plan the placement of a packed stream over ``world_size`` ranks.
 
-        O(num_docs * world_size) time and memory; no per-token table is built.
+        O(num_docs * W * log W) time, O(num_docs * W) memory; no per-token table is built.
 
         Args:
             cu_seqlens: int32/int64 tensor (or list of ints) ``(num_docs + 1,)``,
@@ -321,7 +327,7 @@ class RingPlan:
         return inv
 
     def _pad_slots(self, rank: int) -> torch.Tensor:
-        """int64 slots of ``rank`` that hold no token (at most two per document, zigzag)."""
+        """int64 slots of ``rank`` that hold no token (zigzag: only at the end)."""
 
         def make():
             gaps = [[s, n, 0, 0, 0] for s, n in self._gaps(rank)]
@@ -359,22 +365,48 @@ class RingPlan:
 
 # ----------------------------------------------------------------------------- run tables
 def _zigzag_runs(cu: torch.Tensor, world: int) -> tuple[int, list[torch.Tensor]]:
-    """Per document: 2W near-equal chunks; rank r holds chunks r and 2W-1-r, each padded to c."""
+    """Balanced placement: rotated head/tail chunk pairs for long documents, short ones whole.
+
+    A document of ``L >= 2W`` tokens is cut into ``2W`` chunks (sizes differ by at most one);
+    pair ``j`` is chunks ``j`` and ``2W - 1 - j`` (same causal work up to rounding), and the
+    pairs go one per rank, the heaviest to the rank with the least work so far (so which rank
+    gets which pair rotates from document to document). A document shorter than ``2W`` goes
+    whole to the rank with the least work. Documents are placed longest first (greedy
+    longest-processing-time). Each rank's pieces are packed back to back in packed order; ranks
+    with fewer tokens than ``local_len`` end with pad slots (no per-document padding).
+    """
     n = 2 * world
-    lengths = cu[1:] - cu[:-1]
-    c = (lengths + n - 1) // n  # slots per chunk
-    doc_slot = torch.cumsum(2 * c, 0) - 2 * c  # first slot of each document on every rank
-    docs = torch.arange(lengths.numel())
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    starts = cu[:-1].tolist()
+    work, tokens = [0] * world, [0] * world
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (doc, pos, len)
+    order = sorted((d for d, L in enumerate(lengths) if L > 0), key=lambda d: -lengths[d])
+    ranks = range(world)
+    for d in order:
+        length = lengths[d]
+        if length < n:
+            r = min(ranks, key=lambda r: (work[r], tokens[r], r))
+            pieces[r].append((d, 0, length))
+            work[r] += length * (length + 1) // 2
+            tokens[r] += length
+            continue
+        b = [i * length // n for i in range(n + 1)]  # chunk i is positions b[i]:b[i+1]
+        tri = [p * (p + 1) // 2 for p in b]  # causal work of positions < b[i]
+        pair_work = [tri[j + 1] - tri[j] + tri[n - j] - tri[n - 1 - j] for j in range(world)]
+        pairs = sorted(range(world), key=lambda j: -pair_work[j])
+        for j, r in zip(pairs, sorted(ranks, key=lambda r: (work[r], tokens[r], r))):
+            for c in (j, n - 1 - j):
+                pieces[r].append((d, b[c], b[c + 1] - b[c]))
+                tokens[r] += b[c + 1] - b[c]
+            work[r] += pair_work[j]
     runs = []
-    for r in range(world):
-        halves = []
-        for half, chunk in ((0, r), (1, n - 1 - r)):
-            start = chunk * lengths // n
-            size = (chunk + 1) * lengths // n - start
-            halves.append(torch.stack([doc_slot + half * c, size, docs, start, cu[:-1] + start], 1))
-        rows = torch.stack(halves, 1).view(-1, 5)  # (doc, half) order = slot order
-        runs.append(rows[rows[:, LEN] > 0])
-    return int(2 * c.sum()), runs
+    for r in ranks:
+        p = torch.tensor(sorted(pieces[r]), dtype=torch.int64).view(-1, 3)
+        size = p[:, 2]
+        slot = torch.cumsum(size, 0) - size
+        glob = torch.tensor(starts, dtype=torch.int64)[p[:, 0]] + p[:, 1] if len(p) else size
+        runs.append(torch.stack([slot, size, p[:, 0], p[:, 1], glob], 1))
+    return max(tokens), runs
 
 
 def _contiguous_runs(cu: torch.Tensor, world: int) -> tuple[int, list[torch.Tensor]]:
