@@ -384,7 +384,8 @@ def _scatter_side(
             plan = RingPlan.build(cu, world, layout)
             meta = [_meta_of(s, token_keys) for s in batch]
             desc = {"cu": cu, "specs": specs, "meta": meta, "local_len": plan.local_len}
-            if _views_worth_it(plan, len(batch)):
+            views = _views_worth_it(plan, len(batch))
+            if views:
                 # pads: at most one slot per zigzag chunk, fewer than world at a contiguous end
                 gap = max((n for _, n in _gaps(plan)), default=0)
                 pads = {k: batch[0][k].new_zeros((gap, *rest)) for k, _, rest in specs}
@@ -399,8 +400,9 @@ def _scatter_side(
                     return [[plan.shard(packed[k], r)] for k in token_keys]
 
             with torch.no_grad():
+                # views are joined into a fresh tensor; plan.shard's output is fresh already
                 own = {
-                    k: torch.cat(p) if p else batch[0][k].new_zeros((0, *rest))
+                    k: (torch.cat(p) if p else batch[0][k].new_zeros((0, *rest))) if views else p[0]
                     for (k, _, rest), p in zip(specs, shard_pieces(rank))
                 }
 
