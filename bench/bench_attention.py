@@ -24,6 +24,7 @@ achieved TFLOP/s at the median, and on CUDA the peak memory.
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -263,16 +264,9 @@ def build(method: str, case: Case, batch: dict, mode: str):
     raise ValueError(f"unknown method {method!r}")
 
 
-# ----------------------------------------------------------------------------- benchmark
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("mode", MODES)
-def test_varlen_attention(benchmark, case, mode, method, device, sync):
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    batch = packed_batch(case, device, dtype)
-    try:
-        run, unpack_out, unpack_dq, leaves, dout, extra = build(method, case, batch, mode)
-    except Skip as e:
-        pytest.skip(str(e))
+# ----------------------------------------------------------------------------- timing helpers
+def make_step(run, leaves, dout, mode: str, sync):
+    """The timed unit: forward (no autograd) or forward + backward, then a device sync."""
 
     def step():
         if mode == "fwd":
@@ -286,30 +280,31 @@ def test_varlen_attention(benchmark, case, mode, method, device, sync):
         sync()
         return out
 
-    # warm-up (compiles flex, fills caches) and verification against the torch backend
+    return step
+
+
+def warm_and_verify(method, step, unpack_out, unpack_dq, leaves, batch, mode) -> float:
+    """First call (compiles flex, fills caches), checked against the torch backend's answers.
+    Returns its duration; raises Skip when an optional peer cannot run here."""
     t0 = time.perf_counter()
     try:
         out = step()
     except (RuntimeError, NotImplementedError) as e:
-        if method == "flex_doc_mask" or method == "torch_varlen_attn":
-            pytest.skip(f"{method} does not run here: {type(e).__name__}: {str(e)[:200]}")
+        if method in ("flex_doc_mask", "torch_varlen_attn"):
+            raise Skip(f"{method} does not run here: {type(e).__name__}: {str(e)[:200]}") from e
         raise
-    extra["first_call_s"] = time.perf_counter() - t0
-    tol = 3e-2 if dtype == torch.bfloat16 else 2e-4
-    torch.testing.assert_close(
-        unpack_out(out.detach()).float(), batch["ref_out"], atol=tol, rtol=tol
-    )
+    first = time.perf_counter() - t0
+    tol = 3e-2 if out.dtype == torch.bfloat16 else 2e-4
+    got = unpack_out(out.detach()).float()
+    torch.testing.assert_close(got, batch["ref_out"], atol=tol, rtol=tol)
     if mode == "fwd_bwd":
         dq = unpack_dq(leaves[0].grad).float()
         torch.testing.assert_close(dq, batch["ref_dq"], atol=5 * tol, rtol=5 * tol)
+    return first
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    benchmark.group = f"attention-{mode}-{case.name}"
-    benchmark(step)
 
-    flops = causal_flops(case.lengths, case.heads, HEAD_DIM, mode)
-    extra.update(
+def describe(case: Case, mode: str, method: str, dtype, device) -> dict:
+    return dict(
         label=method,
         method=method,
         mode=mode,
@@ -322,9 +317,167 @@ def test_varlen_attention(benchmark, case, mode, method, device, sync):
         head_dim=HEAD_DIM,
         dtype=str(dtype).replace("torch.", ""),
         device=device.type,
-        causal_flops=flops,
-        tflops_per_s=flops / benchmark.stats.stats.median / 1e12,
+        causal_flops=causal_flops(case.lengths, case.heads, HEAD_DIM, mode),
     )
+
+
+# ----------------------------------------------------------------------------- benchmark
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+def test_varlen_attention(benchmark, case, mode, method, device, sync):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch = packed_batch(case, device, dtype)
+    try:
+        run, unpack_out, unpack_dq, leaves, dout, extra = build(method, case, batch, mode)
+        step = make_step(run, leaves, dout, mode, sync)
+        extra["first_call_s"] = warm_and_verify(
+            method, step, unpack_out, unpack_dq, leaves, batch, mode
+        )
+    except Skip as e:
+        pytest.skip(str(e))
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    benchmark.group = f"attention-{mode}-{case.name}"
+    benchmark(step)
+
+    extra.update(describe(case, mode, method, dtype, device))
+    if benchmark.stats is not None:  # None under --benchmark-disable
+        extra["tflops_per_s"] = extra["causal_flops"] / benchmark.stats.stats.median / 1e12
     if device.type == "cuda":
         extra["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
     benchmark.extra_info.update(extra)
+
+
+# ----------------------------------------------------------------------------- interleaved run
+def interleaved(quick: bool, rounds: int, seed: int = 0) -> dict:
+    """Time every runnable method of a (case, mode) round-robin, in a fresh random order each
+    round, so that load from other processes on a shared machine hits all peers alike."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rng = random.Random(seed)
+    results, skipped = [], []
+    for case in cases(quick):
+        batch = packed_batch(case, device, dtype)
+        for mode in MODES:
+            steps = {}
+            for method in METHODS:
+                try:
+                    run, unpack_out, unpack_dq, leaves, dout, _ = build(method, case, batch, mode)
+                    step = make_step(run, leaves, dout, mode, sync)
+                    warm_and_verify(method, step, unpack_out, unpack_dq, leaves, batch, mode)
+                except Skip as e:
+                    skipped.append(
+                        {"case": case.name, "mode": mode, "method": method, "reason": str(e)}
+                    )
+                    continue
+                steps[method] = step
+            times = {m: [] for m in steps}
+            for _ in range(rounds):
+                order = list(steps)
+                rng.shuffle(order)
+                for m in order:
+                    t0 = time.perf_counter()
+                    steps[m]()
+                    times[m].append(time.perf_counter() - t0)
+            base = statistics.median(times["varlen_torch"])
+            for m, ts in times.items():
+                med = statistics.median(ts)
+                row = describe(case, mode, m, dtype, device)
+                row.update(
+                    median=med,
+                    min=min(ts),
+                    max=max(ts),
+                    rounds=len(ts),
+                    times=ts,
+                    tflops_per_s=row["causal_flops"] / med / 1e12,
+                    speedup_of_varlen_torch=med / base,
+                )
+                results.append(row)
+                print(
+                    f"{case.name:>24} {mode:>7} {m:>18} {med * 1e3:10.2f} ms  "
+                    f"varlen_torch is {med / base:5.2f}x faster",
+                    flush=True,
+                )
+    return {"results": results, "skipped": skipped}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import datetime
+    import json
+    from pathlib import Path
+
+    from bench.report import collect_machine_info, machine_tag
+
+    ap = argparse.ArgumentParser(description="interleaved varlen attention comparison")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    info = collect_machine_info()
+    date = datetime.date.today().isoformat()
+    data = {
+        "what": "varlen causal attention peers, timed round-robin (seconds per call)",
+        "machine": info,
+        "date": date,
+        "quick": args.quick,
+        "rounds": args.rounds,
+        **interleaved(args.quick, args.rounds),
+    }
+    stem = f"attention-interleaved-{machine_tag(info)}-{date}"
+    path = args.out_dir / f"{stem}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    plot_interleaved(data, args.out_dir / f"{stem}.png")
+    print(path)
+    return 0
+
+
+def plot_interleaved(data: dict, path) -> None:
+    """One panel per mode: grouped bars of median ms per case, one bar per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["results"]
+    case_names = list(dict.fromkeys(r["case"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, len(MODES), figsize=(13, 4.5))
+    width = 0.8 / max(len(methods), 1)
+    for ax, mode in zip(axes, MODES):
+        for j, m in enumerate(methods):
+            xs, ys = [], []
+            for i, c in enumerate(case_names):
+                hit = [r for r in rows if (r["case"], r["mode"], r["method"]) == (c, mode, m)]
+                if hit:
+                    xs.append(i + (j - (len(methods) - 1) / 2) * width)
+                    ys.append(hit[0]["median"] * 1e3)
+            ax.bar(xs, ys, width, label=m)
+        ax.set_xticks(range(len(case_names)), case_names, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("median time per call (ms, log scale)")
+        ax.set_title(f"{mode}", fontsize=10)
+    axes[0].legend(fontsize=8)
+    m = data["machine"]
+    fig.suptitle(
+        f"varlen causal attention, heads 8, head_dim 64 | {m['gpu'] or m['cpu_model']} "
+        f"({m['cpu_cores']} cores) | {data['date']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if not torch.cuda.is_available():
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.exit(main())
