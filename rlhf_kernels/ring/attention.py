@@ -35,7 +35,12 @@ from rlhf_kernels.ring.blocks import (
     tile_pairs,
 )
 from rlhf_kernels.ring.plan import RingPlan
-from rlhf_kernels.ring.validate import all_gather_flat, validate_ring_call
+from rlhf_kernels.ring.validate import (
+    all_gather_flat,
+    global_rank,
+    group_rank,
+    validate_ring_call,
+)
 
 DEFAULT_TILE = 1024
 # torch >= 2.13 name; older releases call it reduce_scatter_tensor (same semantics, flat dim 0)
@@ -52,9 +57,8 @@ class _Spec:
         self.window, self.comm, self.stride, self.tile = window, comm, stride, tile
         self.fused = False  # set per call: fused CPU kernel for all-visible / diagonal tiles
         if self.world > 1:  # P2P peers are global ranks
-            nxt, prv = (rank + 1) % self.world, (rank - 1) % self.world
-            glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-            self.next_peer, self.prev_peer = glob(nxt), glob(prv)
+            self.next_peer = global_rank(group, (rank + 1) % self.world)
+            self.prev_peer = global_rank(group, (rank - 1) % self.world)
 
     def pairs(self, src):
         return tile_pairs(self.plan, self.rank, src, self.causal, self.window, self.tile)
@@ -258,7 +262,9 @@ def ring_varlen_attention(
             memory of the gathered K/V to ``world * local_len * stride * head_dim`` per tensor.
         tile: largest query/key tile of the block math (memory ``heads * tile^2`` in fp32).
         validate: check arguments and plan agreement across the group first (one all_gather of
-            ~18 ints and a host sync); every rank raises the same error instead of hanging.
+            32 ints and a host sync); every rank raises the same error instead of hanging. Done
+            once per plan, group, shapes and options: later calls with the same plan (the other
+            layers, the next micro-batches) reuse the verdict cached on the plan.
         return_lse: also return the lse ``(heads, local_len)`` fp32 (``-inf`` for pads).
         fused: on CPU, tiles that are all visible or the aligned causal diagonal (no softcap,
             not float64) use torch's fused flash kernel; False forces the explicit math.
@@ -266,10 +272,10 @@ def ring_varlen_attention(
     Returns:
         out ``(local_len, heads, head_dim)`` in q's dtype (pad rows 0), or ``(out, lse)``.
     """
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    if rank < 0:
-        raise ValueError("ring_varlen_attention: this process is not a member of the given group")
-    group_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    try:
+        rank, group_size = group_rank(group)
+    except ValueError as e:
+        raise ValueError(f"ring_varlen_attention: {e}") from None
     if validate:
         validate_ring_call(
             q,

@@ -11,18 +11,56 @@ import torch
 import torch.distributed as dist
 
 from rlhf_kernels.ring.plan import RingPlan
+from rlhf_kernels.ring.validate import (
+    all_gather_flat,
+    check_on_every_rank,
+    dtype_code,
+    global_rank,
+    group_rank,
+)
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REASONS = {
+    1: "the plan was built for another world size than the group's",
+    2: "a local tensor does not have the plan's local length",
+    3: "invalid dst",
+    4: "a local tensor or plan of the wrong type",
+}
 
 
-def _group_rank(plan: RingPlan, group) -> int:
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the given group")
-    if dist.get_world_size(group) != plan.world_size:
+def _check_gather(local, plan, group, dst) -> int:
+    """This rank's group rank; raises on every rank if any rank passed bad arguments."""
+    rank, world = group_rank(group)
+    code, msg = 0, ""
+    if not isinstance(plan, RingPlan):
+        code, msg = 4, f"plan must be a RingPlan, got {type(plan).__name__}"
+    elif not isinstance(local, torch.Tensor):
+        code, msg = 4, f"local must be a torch.Tensor, got {type(local).__name__}"
+    elif plan.world_size != world:
+        code = 1
+        msg = f"plan was built for world_size={plan.world_size}, but the group has {world} ranks"
+    elif local.dim() < 1 or local.shape[0] != plan.local_len:
+        code = 2
+        msg = f"local must have the plan's local_len={plan.local_len} as first dim, got "
+        msg += str(tuple(local.shape))
+    elif dst is not None and (not isinstance(dst, int) or not 0 <= dst < world):
+        code, msg = 3, f"dst must be a group rank in [0, {world}), got {dst!r}"
+    facts = []
+    if code == 0:  # the shards must agree on everything but their values
+        trailing = list(local.shape[1:])[:8]
+        facts = plan.fingerprint() + [
+            dtype_code(local.dtype),
+            local.dim(),
+            -1 if dst is None else dst,
+        ]
+        facts += trailing + [0] * (8 - len(trailing))
+    device = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")
+    every = check_on_every_rank(
+        "gather_from_ring", code, msg, facts, group, world, device, _REASONS
+    )
+    if any(f != every[0] for f in every):
         raise ValueError(
-            f"plan was built for world_size={plan.world_size}, but the group has "
-            f"{dist.get_world_size(group)} ranks"
+            "gather_from_ring: ranks disagree on the plan, dst, or the dtype/shape of local "
+            "(beyond its first dim); every rank must pass the same plan and alike tensors"
         )
     return rank
 
@@ -38,15 +76,14 @@ def gather_from_ring(
         group: the ring's process group (None: default group).
         dst: group rank that receives the result; None gives it to every rank.
 
+    Bad arguments on any rank (wrong ``local`` length, plan for another world size, bad ``dst``,
+    ranks that disagree on plan or trailing shape/dtype) raise on every rank of the group (one
+    tiny all_gather first), so no rank is left waiting in the gather.
+
     Returns: ``(plan.total, ...)`` in packed order (pads dropped) on the receiving ranks, None on
     the others. Split per document with ``plan.cu_seqlens``.
     """
-    rank = _group_rank(plan, group)
-    if not isinstance(local, torch.Tensor) or local.dim() < 1 or local.shape[0] != plan.local_len:
-        shape = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
-        raise ValueError(
-            f"local must have the plan's local_len={plan.local_len} as first dim, got {shape}"
-        )
+    rank = _check_gather(local, plan, group, dst)
     local = local.detach().contiguous()
     if dst is None:
         flat = torch.empty(
@@ -54,13 +91,10 @@ def gather_from_ring(
             dtype=local.dtype,
             device=local.device,
         )
-        _all_gather(flat, local, group=group)
+        all_gather_flat(flat, local, group=group)
         return plan.unshard(flat.split(plan.local_len))
-    if not 0 <= dst < plan.world_size:
-        raise ValueError(f"dst must be a group rank in [0, {plan.world_size}), got {dst}")
     shards = [torch.empty_like(local) for _ in range(plan.world_size)] if rank == dst else None
-    global_dst = dst if group is None else dist.get_global_rank(group, dst)
-    dist.gather(local, shards, dst=global_dst, group=group)
+    dist.gather(local, shards, dst=global_rank(group, dst), group=group)
     return plan.unshard(shards) if rank == dst else None
 
 

@@ -1,6 +1,13 @@
-"""Argument checks of ring attention that raise the same error on every rank of the group."""
+"""Argument checks of the ring that raise on every rank of the group, and group-rank helpers.
+
+A bad argument on one rank must not leave the others blocked in a collective: each rank checks
+what it can locally, then one tiny all_gather of ``(problem code, facts...)`` tells every rank
+whether any rank failed (and whether all ranks agree on the facts), and all of them raise.
+"""
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -11,6 +18,69 @@ COMMS = ("p2p", "allgather")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # torch >= 2.13 name; older releases call it all_gather_into_tensor (same semantics, flat dim 0)
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_rank(group) -> tuple[int, int]:
+    """``(rank in group, group size)``; ``(0, 1)`` without an initialised process group.
+
+    Raises ValueError when this process is not a member of ``group``."""
+    if not dist.is_initialized():
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given group")
+    return rank, dist.get_world_size(group)
+
+
+def global_rank(group, rank: int) -> int:
+    """Global rank of group rank ``rank`` (what P2P ops and ``dst`` arguments take)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small int naming ``dtype`` (the same on every process)."""
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
+
+
+def check_on_every_rank(
+    what: str, code: int, msg: str, facts, group, world: int, device, reasons: dict
+) -> list[list[int]]:
+    """Raise the same kind of error on every rank if any rank has a local problem.
+
+    Args:
+        what: the caller's name, prefixed to messages.
+        code: 0 = fine, 4 = TypeError, any other key of ``reasons`` = ValueError.
+        msg: this rank's own message (used when ``code`` != 0).
+        facts: ints every rank must agree on (only read when ``code`` == 0), at most 31.
+        group, world: the process group and its size (world 1 or no process group: local raise).
+        device: where the tiny all_gather runs (cuda for NCCL).
+        reasons: ``{code: text}`` naming each problem for the ranks that did not see it.
+
+    Returns: every rank's facts (rank order, zero padded), for agreement checks by the caller.
+    """
+    if code and (world == 1 or not dist.is_initialized()):
+        raise (TypeError if code == 4 else ValueError)(f"{what}: {msg}")
+    facts = [code] + (list(facts) if code == 0 else [])
+    if world == 1 or not dist.is_initialized():
+        return [facts]
+    facts += [0] * (32 - len(facts))
+    mine = torch.tensor(facts, dtype=torch.int64, device=device)
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    all_gather_flat(every, mine, group=group)
+    every = every.view(world, -1).cpu().tolist()
+    if code:
+        raise (TypeError if code == 4 else ValueError)(
+            f"{what}: {msg} (every rank of the group raises)"
+        )
+    bad = [r for r, f in enumerate(every) if f[0]]
+    if bad:
+        why = "; ".join(sorted({reasons.get(every[r][0], "invalid input") for r in bad}))
+        raise ValueError(
+            f"{what}: bad input on group rank(s) {bad}: {why} "
+            f"(see the error on those ranks; every rank raises so none waits)"
+        )
+    return every
+
 
 _REASONS = {
     1: "the plan was built for another world size than the group's",
@@ -68,17 +138,51 @@ def validate_ring_call(
     q, k, v, plan, group, world, comm, window_size, softcap, kv_head_stride, tile, causal
 ):
     """Raise the same error on every rank of the group (one tiny all_gather), before any ring
-    traffic, so a bad input on one rank cannot leave the others waiting."""
+    traffic, so a bad input on one rank cannot leave the others waiting.
+
+    A call that passed is remembered on the plan (keyed by group, shapes, dtype and options), so
+    the next layers and micro-batches with the same plan skip the all_gather and its host sync.
+    Ranks of a group hold the same plan and shapes, so they skip together. Limitation: once a
+    plan has passed, a rank whose arguments alone change is not checked on the other ranks (they
+    skip); it raises its local error at once rather than entering the check alone, and the
+    others wait until the collective timeout. Plans are built per batch, so the first call of
+    every batch keeps the every-rank guarantee.
+    """
+    key = None
+    if isinstance(plan, RingPlan) and all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        key = (
+            "validated",
+            group,
+            world,
+            tuple(q.shape),
+            tuple(k.shape),
+            tuple(v.shape),
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            bool(causal),
+            tuple(window_size),
+            softcap,
+            comm,
+            kv_head_stride,
+            tile,
+        )
+        if key in plan._cache:
+            return
     code, msg = _local_problem(
         q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile
     )
-    if world == 1 or not dist.is_initialized():
-        if code:
-            raise (TypeError if code == 4 else ValueError)(msg)
-        return
-    facts = [code]
+    passed = ("validated", group, world)
+    if code and key is not None and any(c[:3] == passed for c in plan._cache if type(c) is tuple):
+        # the other ranks passed with this plan before and skip the check: do not wait for them
+        raise (TypeError if code == 4 else ValueError)(
+            f"ring_varlen_attention: {msg} (after earlier calls with this plan passed the "
+            "group-wide check; other ranks are not told)"
+        )
+    facts = []
     if code == 0:
-        facts += plan.fingerprint() + [
+        facts = plan.fingerprint() + [
             q.shape[1],
             k.shape[1],
             q.shape[2],
@@ -91,26 +195,15 @@ def validate_ring_call(
             kv_head_stride or 0,
             tile,
         ]
-    facts += [0] * (18 - len(facts))
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    mine = torch.tensor(facts, dtype=torch.int64, device=device)
-    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_flat(every, mine, group=group)
-    every = every.view(world, -1).cpu().tolist()
-    if code:
-        raise (TypeError if code == 4 else ValueError)(
-            f"ring_varlen_attention: {msg} (every rank of the group raises)"
-        )
-    bad = [r for r, f in enumerate(every) if f[0]]
-    if bad:
-        reasons = "; ".join(sorted({_REASONS[every[r][0]] for r in bad}))
-        raise ValueError(
-            f"ring_varlen_attention: bad input on group rank(s) {bad}: {reasons} "
-            f"(see the error on those ranks; every rank raises so none waits)"
-        )
+    every = check_on_every_rank(
+        "ring_varlen_attention", code, msg, facts, group, world, device, _REASONS
+    )
     if any(f != every[0] for f in every):
         raise ValueError(
             "ring_varlen_attention: ranks disagree on the plan (world size, layout, "
             "cu_seqlens) or on heads/head_dim/dtype/options; every rank must call "
             "with the same plan and arguments"
         )
+    if key is not None:
+        plan._cache[key] = True
