@@ -299,3 +299,25 @@ def test_triton_reads_strided_cu_seqlens_correctly():
     out = varlen_attention(q, k, v, cu, cu, causal=True, backend="triton")
     ref = varlen_attention(q, k, v, cu.contiguous(), cu.contiguous(), causal=True, backend="torch")
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, -1))])
+@pytest.mark.parametrize("batch_scores", [1 << 22, 60])  # 60: forces split batches
+def test_equal_length_sequences_batched_in_sdpa(monkeypatch, causal, window, batch_scores):
+    from rlhf_kernels.ops import varlen_attention as va
+
+    monkeypatch.setattr(va, "_SDPA_BATCH_SCORES", batch_scores)
+    lens = [5, 9, 5, 5, 9, 0, 3, 5]  # repeated lengths, interleaved
+    q64, k64, v64 = (t.requires_grad_(True) for t in _qkv(lens, lens, heads=4, kv_heads=2))
+    ref, _ = varlen_attention_reference(
+        q64, k64, v64, _cu(lens), _cu(lens), causal=causal, window_size=window
+    )
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do)
+    q, k, v = (t.detach().float().requires_grad_(True) for t in (q64, k64, v64))
+    out = varlen_attention(
+        q, k, v, _cu(lens), _cu(lens), causal=causal, window_size=window, backend="torch"
+    )
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+    for g, rg in zip(torch.autograd.grad(out, (q, k, v), do.float()), ref_grads):
+        torch.testing.assert_close(g.double(), rg, rtol=0, atol=1e-5)

@@ -26,6 +26,8 @@ from rlhf_kernels._checks import check_cu_seqlens, check_same_device
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
+# query-key pairs per batched SDPA call of equal-length sequences (torch backend)
+_SDPA_BATCH_SCORES = 1 << 22
 
 
 # ----------------------------------------------------------------------------- reference math
@@ -110,46 +112,66 @@ def varlen_attention_reference(
 def _torch_varlen_attention(
     q, k, v, cu_q, cu_k, scale, causal, window_size, softcap, dropout_p, return_lse
 ):
-    """Per-sequence loop. Memory is bounded by the longest sequence, never by the whole pack.
+    """Per-sequence math. Memory is bounded by the longest sequence, never by the whole pack.
 
     Without lse or softcap, SDPA (fused on CPU and CUDA) handles full attention, causal
     self-attention and sliding windows over self-attention (``lq == lk``: every query sees its
-    own key, so no row is empty). Everything else uses the explicit fp32 math of the reference.
+    own key, so no row is empty); sequences of equal length share one batched SDPA call (at most
+    ``_SDPA_BATCH_SCORES`` query-key pairs per call, or one sequence if it is longer). Everything
+    else uses the explicit fp32 math of the reference, one sequence at a time.
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
     cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     fused = softcap == 0 and not return_lse
     windowed = tuple(window_size) != (-1, -1)
-    outs, lses = [], []
-    for b in range(len(cu_q) - 1):
+    n_seq = len(cu_q) - 1
+    pieces: list[torch.Tensor | None] = [None] * n_seq  # (lq, heads, head_dim) per sequence
+    buckets: dict[tuple[int, int], list[int]] = {}
+    lses = []
+    for b in range(n_seq):
         lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if fused and lk > 0 and (lq == lk or not (causal or windowed)):
+            buckets.setdefault((lq, lk), []).append(b)
+            continue
         qs = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
         ks = k[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
         vs = v[cu_k[b] : cu_k[b + 1]].transpose(0, 1)
-        if fused and lk > 0 and (lq == lk or not (causal or windowed)):
-            # SDPA's is_causal is top-left aligned: only used where lq == lk makes it agree
-            mask = attention_mask(lq, lk, causal, window_size, q.device) if windowed else None
-            o = F.scaled_dot_product_attention(
-                qs.unsqueeze(0),
-                ks.unsqueeze(0),
-                vs.unsqueeze(0),
-                attn_mask=mask,
-                dropout_p=dropout_p,
-                is_causal=causal and not windowed and lq > 0,
-                scale=scale,
-                enable_gqa=group > 1,
-            )[0]
-            outs.append(o.transpose(0, 1))
-            continue
         if group > 1:
             ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
         o, lse = _sequence_attention(
             qs.to(cdt), ks.to(cdt), vs.to(cdt), scale, causal, window_size, softcap, dropout_p
         )
-        outs.append(o.transpose(0, 1).to(q.dtype))
+        pieces[b] = o.transpose(0, 1).to(q.dtype)
         lses.append(lse.float())
-    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+    for (lq, lk), seqs in buckets.items():
+        # SDPA's is_causal is top-left aligned: only used where lq == lk makes it agree
+        mask = attention_mask(lq, lk, causal, window_size, q.device) if windowed else None
+        step = max(1, _SDPA_BATCH_SCORES // max(lq * lk, 1))
+        for i in range(0, len(seqs), step):
+            part = seqs[i : i + step]
+            adjacent = part[-1] - part[0] == len(part) - 1  # one contiguous token range: a view
+            qs, ks, vs = (
+                (
+                    t[cu[part[0]] : cu[part[-1] + 1]].unflatten(0, (len(part), -1))
+                    if adjacent
+                    else torch.stack([t[cu[b] : cu[b + 1]] for b in part])
+                ).transpose(1, 2)
+                for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k))
+            )  # (n, heads, len, head_dim)
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks,
+                vs,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=causal and not windowed and lq > 0,
+                scale=scale,
+                enable_gqa=group > 1,
+            ).transpose(1, 2)
+            for j, b in enumerate(part):
+                pieces[b] = o[j]
+    out = torch.cat(pieces, 0) if n_seq else q.new_zeros(q.shape)
     if not return_lse:
         return out
     lse = torch.cat(lses, 1) if lses else q.new_zeros(heads, 0, dtype=torch.float32)
