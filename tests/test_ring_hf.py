@@ -51,6 +51,17 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def _grad_err(model, ref_grads):
+    """Max over parameters of |ring-summed grad - reference| / max|reference|."""
+    worst = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g)
+        scale = ref_grads[name].abs().max().item() + 1e-6
+        worst = max(worst, (g - ref_grads[name]).abs().max().item() / scale)
+    return worst
+
+
 def _worker(rank, world, configs):
     return {cfg: _compare(rank, world, *cfg) for cfg in configs}
 
@@ -83,15 +94,10 @@ def _compare(rank, world, layout, comm):
     total = loss.detach().clone()
     dist.all_reduce(total)
     err = {"loss": abs(total.item() - ref_loss.item())}
-    worst = 0.0
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        dist.all_reduce(g)
-        scale = ref_grads[name].abs().max().item() + 1e-6
-        worst = max(worst, (g - ref_grads[name]).abs().max().item() / scale)
-    err["grad_rel"] = worst
+    err["grad_rel"] = _grad_err(model, ref_grads)
 
-    # the same through transformers' own loss: shift_labels + the ring-wide item count
+    # the same through transformers' own loss (shift_labels + the ring-wide item count):
+    # loss and ring-summed gradients
     model.zero_grad()
     n_items = torch.tensor(float((shift != -100).sum()))
     dist.all_reduce(n_items)
@@ -103,9 +109,11 @@ def _compare(rank, world, layout, comm):
             shift_labels=shift[None],
             num_items_in_batch=n_items,
         ).loss
+    hf_loss.backward()
     hf_total = hf_loss.detach().clone()
     dist.all_reduce(hf_total)
     err["hf_loss"] = abs(hf_total.item() - ref_loss.item())
+    err["hf_grad_rel"] = _grad_err(model, ref_grads)
     return err
 
 
@@ -121,3 +129,4 @@ def test_llama_ring_matches_single_process(world):
             assert err["loss"] < 1e-5, (rank, cfg, err)
             assert err["hf_loss"] < 1e-5, (rank, cfg, err)
             assert err["grad_rel"] < 1e-4, (rank, cfg, err)
+            assert err["hf_grad_rel"] < 1e-4, (rank, cfg, err)

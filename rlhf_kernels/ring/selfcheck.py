@@ -31,6 +31,7 @@ import torch.distributed as dist
 from rlhf_kernels.ops.varlen_attention import varlen_attention
 from rlhf_kernels.ring.attention import ring_varlen_attention
 from rlhf_kernels.ring.plan import RingPlan
+from rlhf_kernels.ring.validate import group_rank
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,7 +74,7 @@ def check(
     ``ring_s`` median fwd+bwd time, ``single_s`` single-device time on the whole stream.
     """
     group, ring_index = ring_group(ring_size)
-    rank = dist.get_rank(group)
+    rank, _ = group_rank(group)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = _DTYPES[dtype]
     g = torch.Generator().manual_seed(1000 + ring_index)  # same stream on every rank of a ring
