@@ -170,6 +170,29 @@ def balance(total: int, world: int = 4) -> dict:
     return out
 
 
+def balance_mixes(worlds=(2, 4, 8)) -> dict:
+    """Causal max/mean work and slots per token on document mixes with short documents."""
+    g = torch.Generator().manual_seed(0)
+    mixes = {
+        "docs_1_7_x200": torch.randint(1, 8, (200,), generator=g).tolist(),
+        "len3_x100": [3] * 100,
+        "len9_x100": [9] * 100,
+        "rlhf_20_300_x64": torch.randint(20, 300, (64,), generator=g).tolist(),
+        "uneven_1_4000_x16": torch.randint(1, 4000, (16,), generator=g).tolist(),
+    }
+    out = {}
+    for name, lengths in mixes.items():
+        for world in worlds:
+            row = {}
+            for layout in ("zigzag", "contiguous"):
+                plan = RingPlan.build(_cu(lengths), world, layout)
+                work = plan.attention_work(causal=True).double()
+                row[layout] = round(float(work.max() / work.mean()), 4)
+                row[f"{layout}_slots_per_token"] = round(plan.local_len * world / sum(lengths), 4)
+            out[f"{name}/W{world}"] = row
+    return out
+
+
 # ----------------------------------------------------------------------------- pytest-benchmark
 @pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("world", WORLDS)
@@ -262,7 +285,11 @@ def sweep(lengths, iters=3) -> dict:
                     f"(single/ring {single['time_s'] / step_time:.2f})",
                     flush=True,
                 )
-    return {"rows": rows, "causal_balance_world4": {t: balance(t) for t in lengths}}
+    return {
+        "rows": rows,
+        "causal_balance_world4": {t: balance(t) for t in lengths},
+        "causal_balance_mixes": balance_mixes(),
+    }
 
 
 def _plot(rows, path):
