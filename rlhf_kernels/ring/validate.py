@@ -149,7 +149,7 @@ def validate_ring_call(
     every batch keeps the every-rank guarantee.
     """
     key = None
-    if isinstance(plan, RingPlan) and all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    try:  # unhashable or malformed options: no key, the checks below name the problem
         key = (
             "validated",
             group,
@@ -170,6 +170,8 @@ def validate_ring_call(
         )
         if key in plan._cache:
             return
+    except (TypeError, AttributeError):
+        key = None
     code, msg = _local_problem(
         q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile
     )
