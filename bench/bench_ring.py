@@ -20,13 +20,13 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from rlhf_kernels.comm._memory import PeakRSS
 from rlhf_kernels.ops.varlen_attention import varlen_attention
 from rlhf_kernels.ring.attention import ring_varlen_attention
 from rlhf_kernels.ring.plan import RingPlan
@@ -49,33 +49,6 @@ def doc_lengths(total: int, seed: int = 0) -> list[int]:
 
 def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-class PeakRSS:
-    """Peak growth of this process's resident memory while active (sampled every ~1 ms)."""
-
-    def __init__(self):
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self.base = self._rss()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        return self.peak - self.base
 
 
 def bytes_sent_per_step(plan: RingPlan, comm: str, elem: int = 4) -> int:

@@ -46,7 +46,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rlhf_kernels.ops.advantages import group_advantages  # noqa: E402
-from rlhf_kernels.ops.gae import discounted_returns, gae  # noqa: E402
+from rlhf_kernels.ops.gae import (  # noqa: E402
+    discounted_returns,
+    gae,
+)
+from rlhf_kernels.ops.gae import discounted_returns_reference as loop_returns  # noqa: E402
+from rlhf_kernels.ops.gae import gae_reference as loop_gae  # noqa: E402
 from rlhf_kernels.ops.linear_logprobs import (  # noqa: E402
     linear_logprobs,
     linear_nll_loss,
@@ -55,29 +60,7 @@ from rlhf_kernels.ops.linear_logprobs import (  # noqa: E402
 from rlhf_kernels.ops.logprobs import logprobs_from_logits  # noqa: E402
 from rlhf_kernels.ops.losses import policy_loss  # noqa: E402
 
-
 # ----------------------------------------------------------------------------- peers
-def loop_gae(rewards, values, mask, gamma, lam):
-    """OpenRLHF-style reversed-time loop (padded (B, T))."""
-    values, rewards = values * mask, rewards * mask
-    T = rewards.shape[1]
-    last, out = 0, []
-    for t in reversed(range(T)):
-        nextv = values[:, t + 1] if t < T - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextv - values[:, t]
-        last = delta + gamma * lam * last
-        out.append(last)
-    adv = torch.stack(out[::-1], dim=1)
-    return adv, adv + values
-
-
-def loop_returns(rewards, mask, gamma):
-    rewards = rewards * mask
-    g, out = 0, []
-    for t in reversed(range(rewards.shape[1])):
-        g = rewards[:, t] + gamma * g
-        out.append(g)
-    return torch.stack(out[::-1], dim=1)
 
 
 def loop_group_grpo(rewards, G):

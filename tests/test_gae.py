@@ -3,32 +3,8 @@ import torch
 
 from rlhf_kernels.ops import gae as gae_mod
 from rlhf_kernels.ops.gae import discounted_returns, gae, reverse_scan
-
-
-def loop_gae(rewards, values, mask, gamma, lam):
-    """The classic reversed-time loop (OpenRLHF-style), padded (B, T)."""
-    values = values * mask
-    rewards = rewards * mask
-    T = rewards.shape[1]
-    last = torch.zeros_like(rewards[:, 0])
-    adv = []
-    for t in reversed(range(T)):
-        nextv = values[:, t + 1] if t < T - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextv - values[:, t]
-        last = delta + gamma * lam * last
-        adv.append(last)
-    adv = torch.stack(adv[::-1], dim=1)
-    return adv, adv + values
-
-
-def loop_returns(rewards, mask, gamma):
-    rewards = rewards * mask
-    g = torch.zeros_like(rewards[:, 0])
-    out = []
-    for t in reversed(range(rewards.shape[1])):
-        g = rewards[:, t] + gamma * g
-        out.append(g)
-    return torch.stack(out[::-1], dim=1)
+from rlhf_kernels.ops.gae import discounted_returns_reference as loop_returns
+from rlhf_kernels.ops.gae import gae_reference as loop_gae
 
 
 def _backends():

@@ -124,6 +124,37 @@ def reverse_scan_triton(x: torch.Tensor, coef: torch.Tensor, block: int = 1024) 
 
 
 # ----------------------------------------------------------------------------- dispatch + autograd
+def gae_reference(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classic reversed-time loop (OpenRLHF-style) on padded ``(B, T)``: the ground truth
+    of ``gae`` in tests and the baseline in benchmarks. Returns ``(advantages, returns)``."""
+    values, rewards = values * mask, rewards * mask
+    T = rewards.shape[1]
+    last = torch.zeros_like(rewards[:, 0])
+    adv = []
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t < T - 1 else 0.0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * last
+        adv.append(last)
+    adv = torch.stack(adv[::-1], dim=1)
+    return adv, adv + values
+
+
+def discounted_returns_reference(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """Reversed-time loop for REINFORCE returns on padded ``(B, T)``."""
+    rewards = rewards * mask
+    g = torch.zeros_like(rewards[:, 0])
+    out = []
+    for t in reversed(range(rewards.shape[1])):
+        g = rewards[:, t] + gamma * g
+        out.append(g)
+    return torch.stack(out[::-1], dim=1)
+
+
 def _pick_backend(backend: str, x: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
