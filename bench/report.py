@@ -186,8 +186,8 @@ def plot_group(report: dict, path: Path) -> None:
     ax.barh(list(ys), vals, xerr=errs, color="tab:blue", alpha=0.8, capsize=3)
     ax.set_yticks(list(ys), [_label(b) for b in rows], fontsize=8)
     ax.invert_yaxis()
-    for y, v in zip(ys, vals):
-        ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+    for y, v, e in zip(ys, vals, errs):
+        ax.text(v + e, y, f"  {v:.3g}", va="center", fontsize=8)  # past the whisker
     ax.set_xlabel(f"median time per call ({unit}); whiskers: ±1 std")
     m = report["machine"]
     where = m["gpu"] or f"{m['cpu_model']} ({m['cpu_cores']} cores)"
