@@ -340,3 +340,26 @@ def test_generate_left_padded_with_cache_matches_eager(tmp_path_factory):
         want = eager.generate(input_ids=ids, **kw)
         got = ours.generate(input_ids=ids, **kw)
     assert want.shape[1] == 22 and torch.equal(got, want)  # 22 tokens > sliding window 7
+
+
+def test_rows_without_mask_or_position_ids_are_one_sequence_each():
+    """The fallback for models that pass neither a mask nor position_ids: row = sequence."""
+    from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(3, 4, 9, 16, dtype=torch.float64)  # (B, heads, S, D), HF layout
+    k = torch.randn(3, 2, 9, 16, dtype=torch.float64)
+    v = torch.randn(3, 2, 9, 16, dtype=torch.float64)
+    outs = [hf.rlhf_attention_forward(module, q, k, v, None, scaling=0.25)[0] for _ in range(2)]
+    cu = torch.arange(0, 4, dtype=torch.int32) * 9
+    ref, _ = varlen_attention_reference(
+        *(t.transpose(1, 2).reshape(27, t.shape[1], 16) for t in (q, k, v)),
+        cu,
+        cu,
+        softmax_scale=0.25,
+        causal=True,
+    )
+    for out in outs:
+        torch.testing.assert_close(out.reshape(27, 4, 16), ref, rtol=0, atol=1e-12)
+    assert hf._row_cu_seqlens.cache_info().hits >= 1  # the second call reuses the tensors

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -124,6 +125,14 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     left = int(sliding_window) - 1  # transformers: key j visible when j > i - sliding_window
     return (left, 0 if causal else left)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_cu_seqlens(bsz: int, s_q: int, s_k: int, device: torch.device):
+    """``cu_seqlens`` of a batch whose rows are one sequence each. Cached, so every layer passes
+    the same (never modified) tensors and their validation is read from the host only once."""
+    rows = torch.arange(0, bsz + 1, device=device, dtype=torch.int32)
+    return rows * s_q, rows * s_k
 
 
 def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
@@ -246,9 +255,7 @@ def rlhf_attention_forward(
         )
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
     else:  # one sequence per row
-        dev = query.device
-        cu_q = torch.arange(0, bsz + 1, device=dev, dtype=torch.int32) * s_q
-        cu_k = torch.arange(0, bsz + 1, device=dev, dtype=torch.int32) * s_k
+        cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
         out = varlen_attention(q, k, v, cu_q, cu_k, s_q, s_k, **common)
     return out.reshape(bsz, s_q, heads, -1), None
 
