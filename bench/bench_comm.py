@@ -35,8 +35,7 @@ import torch.distributed as dist
 from rlhf_kernels.comm import broadcast_chunked, scatter_for_ring
 from rlhf_kernels.comm._memory import PeakRSS, trim
 from rlhf_kernels.comm._wire import micro_batches
-from rlhf_kernels.ring.spawn import _worker as _spawn_worker
-from rlhf_kernels.ring.spawn import free_port, run_gloo
+from rlhf_kernels.ring.spawn import gloo_rank0, run_gloo
 
 METHODS = ("chunked", "scatter", "pickled_micro", "whole_list")
 TOKEN_KEYS = ("input_ids", "logp", "values")
@@ -139,37 +138,9 @@ def helper_worker(rank, world, payload_mb, chunk, method, rounds):
 @pytest.mark.parametrize("world", (2, 3))
 def test_rollout_distribution(benchmark, quick, world, method):
     payload_mb, chunk, rounds = (20, 4 << 20, 2) if quick else (100, 16 << 20, 3)
-    ctx = torch.multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    helpers = [
-        ctx.Process(
-            target=_spawn_worker,
-            daemon=True,
-            args=(
-                helper_worker,
-                r,
-                world,
-                port,
-                results,
-                (payload_mb, chunk, method, rounds),
-                1,
-                600,
-            ),
-        )
-        for r in range(1, world)
-    ]
-    for p in helpers:
-        p.start()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
+    with gloo_rank0(
+        helper_worker, world, payload_mb, chunk, method, rounds, timeout_s=600
+    ) as others:
         samples = make_rollout(payload_mb)
         distribute(method, samples, 0, chunk)  # warm-up, as the helpers do
 
@@ -181,15 +152,6 @@ def test_rollout_distribution(benchmark, quick, world, method):
         mem = PeakRSS()
         benchmark.pedantic(run, rounds=rounds, warmup_rounds=0, iterations=1)
         peak = mem.stop()
-        others = [results.get(timeout=600) for _ in helpers]
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(threads)
-        for p in helpers:
-            p.join(timeout=30)
-    failed = [v for _, ok, v in others if not ok]
-    assert not failed, failed
     payload = tensor_bytes(samples)
     benchmark.group = f"comm-{payload_mb}MB"
     benchmark.extra_info.update(
@@ -199,8 +161,8 @@ def test_rollout_distribution(benchmark, quick, world, method):
         payload_bytes=payload,
         max_chunk_bytes=chunk,
         source_peak_rss_bytes=peak,
-        receiver_peak_rss_bytes=[v["peak_rss_bytes"] for _, _, v in others],
-        received_bytes_per_rank=[v["received"] for _, _, v in others],
+        receiver_peak_rss_bytes=[v["peak_rss_bytes"] for v in others],
+        received_bytes_per_rank=[v["received"] for v in others],
     )
 
 

@@ -30,8 +30,7 @@ from rlhf_kernels.comm._memory import PeakRSS
 from rlhf_kernels.ops.varlen_attention import varlen_attention
 from rlhf_kernels.ring.attention import ring_varlen_attention
 from rlhf_kernels.ring.plan import RingPlan
-from rlhf_kernels.ring.spawn import _worker as _spawn_worker
-from rlhf_kernels.ring.spawn import free_port, run_gloo
+from rlhf_kernels.ring.spawn import gloo_rank0, run_gloo
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 WORLDS = (1, 2, 4)
@@ -174,42 +173,12 @@ def test_ring_fwd_bwd(benchmark, quick, world, comm):
         pytest.skip("world 1 has no communication")
     total = 1024 if quick else 4096
     rounds = 2 if quick else 3
-    ctx = torch.multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    helpers = [
-        ctx.Process(
-            target=_spawn_worker,
-            daemon=True,
-            args=(ring_worker, r, world, port, results, (total, comm, "zigzag", 1, rounds), 1, 300),
-        )
-        for r in range(1, world)
-    ]
-    for p in helpers:
-        p.start()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # every rank gets one thread, as in the helpers
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=300),
-        )
+    with gloo_rank0(ring_worker, world, total, comm, "zigzag", 1, rounds, timeout_s=300) as others:
         step, plan = make_step(0, world, total, comm)
         mem = PeakRSS()  # covers the warm-up round too
         # helpers run 1 warm-up + `rounds` steps: the same count as this pedantic call
         benchmark.pedantic(_synced(step, world), rounds=rounds, warmup_rounds=1, iterations=1)
         peak = mem.stop()
-        others = [results.get(timeout=300) for _ in helpers]
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(threads)
-        for p in helpers:
-            p.join(timeout=30)
-    failed = [v for _, ok, v in others if not ok]
-    assert not failed, failed
     benchmark.group = f"ring-fwd_bwd-{total}"
     benchmark.extra_info.update(
         world=world,
@@ -221,7 +190,7 @@ def test_ring_fwd_bwd(benchmark, quick, world, comm):
         head_dim=HEAD_DIM,
         local_len=plan.local_len,
         rank0_peak_rss_bytes=peak,
-        helper_peak_rss_bytes=[v["peak_rss_bytes"] for _, _, v in others],
+        helper_peak_rss_bytes=[v["peak_rss_bytes"] for v in others],
         bytes_sent_per_rank=bytes_sent_per_step(plan, comm),
         causal_balance_world4=balance(total),
     )

@@ -3,17 +3,20 @@
 Every worker runs ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")`` on a free
 127.0.0.1 port; return values come back to the caller in rank order, and a worker's exception
 comes back as its traceback (raised in the caller as ``RuntimeError``), so nothing is lost.
+``gloo_rank0`` makes the calling process rank 0 instead (benchmarks that time rank 0 in-process).
 For real jobs use ``torchrun`` (see the README); this helper is for one machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -98,3 +101,49 @@ def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int 
     if errors:
         raise RuntimeError("worker failed:\n" + "\n".join(errors))
     return [got[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def gloo_rank0(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1):
+    """Join a gloo group as rank 0 while ranks ``1..world_size-1`` run ``fn(rank, world, *args)``.
+
+    Yields a list that, once the block exits, holds the other ranks' return values in rank order;
+    a helper's exception is raised here as ``RuntimeError``. This process uses ``threads`` torch
+    threads inside the block, like the helpers.
+    """
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, results, args, threads, timeout_s),
+            daemon=True,
+        )
+        for r in range(1, world_size)
+    ]
+    for p in procs:
+        p.start()
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    others: list = []
+    got = []
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        yield others
+        got = sorted((results.get(timeout=timeout_s) for _ in procs), key=lambda r: r[0])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(saved_threads)
+        for p in procs:
+            p.join(timeout=30)
+    failed = [f"--- rank {rank} ---\n{v}" for rank, ok, v in got if not ok]
+    if failed:
+        raise RuntimeError("helper rank failed:\n" + "\n".join(failed))
+    others.extend(v for _, _, v in got)
