@@ -123,6 +123,18 @@ def _ring_forward(spec, q, k, v):
                 _wait(reqs)
                 kv = nxt
         return acc_o, acc_lse
+    for h0, h1, kv in _gathered_head_groups(spec, k, v):
+        hq = slice(h0 * g, h1 * g)
+        for src in range(spec.world):
+            forward_block(
+                spec, qc[:, hq], kv[src, 0], kv[src, 1], spec.pairs(src), acc_o[:, hq], acc_lse[hq]
+            )
+    return acc_o, acc_lse
+
+
+def _gathered_head_groups(spec, k, v):
+    """Yield ``(h0, h1, kv)`` per group of KV heads, kv ``(W, 2, L, h1 - h0, D)`` from every rank;
+    the next group's all_gather is in flight while the caller computes on the current one."""
     groups = _head_groups(k.shape[1], spec.stride)
     pending = _allgather(spec, torch.stack([k[:, : groups[0][1]], v[:, : groups[0][1]]]))
     for i, (h0, h1) in enumerate(groups):
@@ -131,12 +143,7 @@ def _ring_forward(spec, q, k, v):
         if i + 1 < len(groups):
             n0, n1 = groups[i + 1]
             pending = _allgather(spec, torch.stack([k[:, n0:n1], v[:, n0:n1]]))
-        hq = slice(h0 * g, h1 * g)
-        for src in range(spec.world):
-            forward_block(
-                spec, qc[:, hq], kv[src, 0], kv[src, 1], spec.pairs(src), acc_o[:, hq], acc_lse[hq]
-            )
-    return acc_o, acc_lse
+        yield h0, h1, kv
 
 
 def _ring_backward(spec, q, k, v, out, lse, dout):
@@ -172,14 +179,7 @@ def _ring_backward(spec, q, k, v, out, lse, dout):
         return dq, dkv[0], dkv[1]
     dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
     dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-    groups = _head_groups(k.shape[1], spec.stride)
-    pending = _allgather(spec, torch.stack([k[:, : groups[0][1]], v[:, : groups[0][1]]]))
-    for i, (h0, h1) in enumerate(groups):
-        work, kv = pending
-        work.wait()
-        if i + 1 < len(groups):
-            n0, n1 = groups[i + 1]
-            pending = _allgather(spec, torch.stack([k[:, n0:n1], v[:, n0:n1]]))
+    for h0, h1, kv in _gathered_head_groups(spec, k, v):
         hq = slice(h0 * g, h1 * g)
         dkv = torch.zeros(kv.shape, dtype=cdt, device=k.device)  # (W, 2, L, hs, D)
         for src in range(spec.world):
