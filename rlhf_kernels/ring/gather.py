@@ -54,14 +54,18 @@ def _check_gather(local, plan, group, dst) -> int:
         ]
         facts += trailing + [0] * (8 - len(trailing))
     device = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")
-    every = check_on_every_rank(
-        "gather_from_ring", code, msg, facts, group, world, device, _REASONS
+    check_on_every_rank(
+        "gather_from_ring",
+        code,
+        msg,
+        facts,
+        group,
+        world,
+        device,
+        _REASONS,
+        disagree="ranks disagree on the plan, dst, or the dtype/shape of local (beyond its "
+        "first dim); every rank must pass the same plan and alike tensors",
     )
-    if any(f != every[0] for f in every):
-        raise ValueError(
-            "gather_from_ring: ranks disagree on the plan, dst, or the dtype/shape of local "
-            "(beyond its first dim); every rank must pass the same plan and alike tensors"
-        )
     return rank
 
 

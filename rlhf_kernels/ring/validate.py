@@ -43,8 +43,8 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def check_on_every_rank(
-    what: str, code: int, msg: str, facts, group, world: int, device, reasons: dict
-) -> list[list[int]]:
+    what: str, code: int, msg: str, facts, group, world: int, device, reasons: dict, disagree: str
+) -> None:
     """Raise the same kind of error on every rank if any rank has a local problem.
 
     Args:
@@ -55,14 +55,13 @@ def check_on_every_rank(
         group, world: the process group and its size (world 1 or no process group: local raise).
         device: where the tiny all_gather runs (cuda for NCCL).
         reasons: ``{code: text}`` naming each problem for the ranks that did not see it.
-
-    Returns: every rank's facts (rank order, zero padded), for agreement checks by the caller.
+        disagree: the ValueError message (after ``what: ``) when the ranks' facts differ.
     """
     if code and (world == 1 or not dist.is_initialized()):
         raise (TypeError if code == 4 else ValueError)(f"{what}: {msg}")
     facts = [code] + (list(facts) if code == 0 else [])
     if world == 1 or not dist.is_initialized():
-        return [facts]
+        return
     facts += [0] * (32 - len(facts))
     mine = torch.tensor(facts, dtype=torch.int64, device=device)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
@@ -79,7 +78,8 @@ def check_on_every_rank(
             f"{what}: bad input on group rank(s) {bad}: {why} "
             f"(see the error on those ranks; every rank raises so none waits)"
         )
-    return every
+    if any(f != every[0] for f in every):
+        raise ValueError(f"{what}: {disagree}")
 
 
 _REASONS = {
@@ -198,14 +198,17 @@ def validate_ring_call(
             tile,
         ]
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    every = check_on_every_rank(
-        "ring_varlen_attention", code, msg, facts, group, world, device, _REASONS
+    check_on_every_rank(
+        "ring_varlen_attention",
+        code,
+        msg,
+        facts,
+        group,
+        world,
+        device,
+        _REASONS,
+        disagree="ranks disagree on the plan (world size, layout, cu_seqlens) or on "
+        "heads/head_dim/dtype/options; every rank must call with the same plan and arguments",
     )
-    if any(f != every[0] for f in every):
-        raise ValueError(
-            "ring_varlen_attention: ranks disagree on the plan (world size, layout, "
-            "cu_seqlens) or on heads/head_dim/dtype/options; every rank must call "
-            "with the same plan and arguments"
-        )
     if key is not None:
         plan._cache[key] = True
