@@ -1,0 +1,384 @@
+"""trainers.tiny (offline, deterministic tiny Llama) and trainers.data (loading, tokenising)."""
+
+import importlib.util
+import json
+import threading
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
+
+from trainers import data, tiny
+from trainers.data import (
+    check_keys,
+    load_mixture,
+    make_default_path,
+    render_prompt,
+    split_train_eval,
+    tokenize_pair,
+    tokenize_sft,
+)
+
+ROWS = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(6)]
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny.ensure_tiny(tmp_path_factory.mktemp("tiny") / tiny.TINY_VERSION)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if ".tmp-" in p.name]
+
+
+# ---------------------------------------------------------------- tiny model
+
+
+def test_build_is_deterministic_and_leaves_rng(tiny_dir, tmp_path):
+    before = torch.random.get_rng_state()
+    other = tiny.ensure_tiny(tmp_path / "b")
+    assert torch.equal(torch.random.get_rng_state(), before)
+    a, b = Path(tiny_dir), Path(other)
+    for name in ("tokenizer.json", "config.json", "tokenizer_config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(t.dtype == torch.float32 for t in wa.values())
+
+
+def test_existing_folder_is_only_loaded(tiny_dir, monkeypatch):
+    monkeypatch.setattr(tiny, "_build", lambda dst: pytest.fail("rebuilt a complete folder"))
+    assert tiny.ensure_tiny(tiny_dir) == tiny_dir
+    monkeypatch.setenv("RLHF_KERNELS_TINY", tiny_dir)
+    assert tiny.ensure_tiny() == tiny_dir
+    monkeypatch.delenv("RLHF_KERNELS_TINY")
+    assert tiny.default_path() == Path.home() / ".cache" / "rlhf-kernels" / "tiny-v1"
+
+
+def test_concurrent_builders_share_one_folder(tmp_path, monkeypatch):
+    real_build, barrier, built = tiny._build, threading.Barrier(2, timeout=60), []
+
+    def build_then_wait(dst):  # both builders finish building before either renames
+        real_build(dst)
+        built.append(dst)
+        barrier.wait()
+
+    monkeypatch.setattr(tiny, "_build", build_then_wait)
+    dst, results, errors = tmp_path / "shared", [], []
+
+    def worker():
+        try:
+            results.append(tiny.ensure_tiny(dst))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [str(dst)] * 2 and len(built) == 2
+    assert tiny.is_complete(dst) and _leftovers(tmp_path) == []
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    def broken(dst):
+        (dst / "config.json").write_text("{}")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tiny, "_build", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        tiny.ensure_tiny(tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_a_foreign_nonempty_folder(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="config.json"):
+        tiny.ensure_tiny(tmp_path / "m")
+
+
+def test_tokenizer_specials_and_round_trip(tok):
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
+    assert list(ids.values()) == list(range(6))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+    assert len(tok) == tiny.VOCAB_SIZE
+    text = "reverse: abcd -> dcba\n  héllo wörld 🙂\ttabs"
+    enc = tok.encode(text)
+    assert enc[0] == tok.bos_token_id and tok.unk_token_id is None
+    assert tok.decode(enc, skip_special_tokens=True) == text
+    assert tok.encode("<|user|>x", add_special_tokens=False)[0] == ids["<|user|>"]
+
+
+def test_chat_template(tok):
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "reverse: abcd"},
+        {"role": "assistant", "content": "dcba"},
+    ]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert text == "<|bos|><|system|>be brief<|user|>reverse: abcd<|assistant|>dcba<|eos|>"
+    gen = tok.apply_chat_template(msgs[1:2], tokenize=False, add_generation_prompt=True)
+    assert gen == "<|bos|><|user|>reverse: abcd<|assistant|>"
+    ids = render_prompt(tok, "reverse: abcd", None, True)
+    assert type(ids) is list and all(type(i) is int for i in ids)
+    assert ids == tok.encode(gen, add_special_tokens=False)
+    assert ids[:2] == [0, 3] and ids[-1] == 4
+
+
+class _FakeChatTokenizer:
+    """Stands in for old (list) and new (BatchEncoding) apply_chat_template returns."""
+
+    chat_template = "x"
+
+    def __init__(self, out):
+        self.out = out
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert messages == [{"role": "user", "content": "Q: hi"}] and add_generation_prompt
+        return self.out
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        [5, 6, 7],
+        [[5, 6, 7]],
+        BatchEncoding({"input_ids": [5, 6, 7]}),
+        {"input_ids": torch.tensor([[5, 6, 7]])},
+    ],
+)
+def test_render_prompt_chat_return_types(out):
+    assert render_prompt(_FakeChatTokenizer(out), "hi", "Q: {}", True) == [5, 6, 7]
+
+
+def test_render_prompt_errors(tok):
+    with pytest.raises(ValueError, match=r"input_template: expected a string containing '\{\}'"):
+        render_prompt(tok, "hi", "Q: ", False)
+    no_template = _FakeChatTokenizer([1])
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="chat_template"):
+        render_prompt(no_template, "hi", None, True)
+
+
+def test_model_reloads(tiny_dir, tok):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (64, 176, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert cfg.vocab_size == len(tok) and not cfg.tie_word_embeddings
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (0, 1, 2)
+    assert model.dtype == torch.float32
+    ids = torch.tensor([tok.encode("sort: dbca")])
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tok))
+
+
+# ---------------------------------------------------------------- loading and mixing
+
+
+def _write(tmp_path: Path, fmt: str, rows=ROWS) -> str:
+    ds = datasets.Dataset.from_list(rows)
+    path = tmp_path / f"d.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "json":
+        path.write_text(json.dumps(rows))
+    elif fmt == "parquet":
+        ds.to_parquet(str(path))
+    elif fmt == "csv":
+        ds.to_csv(str(path), index=False)
+    else:
+        path = tmp_path / "saved"
+        ds.save_to_disk(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "disk"])
+def test_load_formats(tmp_path, fmt):
+    ds = load_mixture(_write(tmp_path, fmt), None, "train", 0, None)
+    assert ds.to_list() == ROWS
+    assert len(load_mixture(_write(tmp_path, fmt), None, "train", 0, 4)) == 4
+    with pytest.raises(ValueError, match=r"split 'test'.*expected one of \['train'\]"):
+        load_mixture(_write(tmp_path, fmt), None, "test", 0, None)
+
+
+def test_load_dataset_dict_splits(tmp_path):
+    dd = datasets.DatasetDict(
+        train=datasets.Dataset.from_list(ROWS[:4]), test=datasets.Dataset.from_list(ROWS[4:])
+    )
+    dd.save_to_disk(str(tmp_path / "dd"))
+    assert load_mixture(str(tmp_path / "dd"), None, "test", 0, None).to_list() == ROWS[4:]
+    assert len(load_mixture(str(tmp_path / "dd"), None, "train", 0, None)) == 4
+    with pytest.raises(ValueError, match=r"'validation'.*\['train', 'test'\]"):
+        load_mixture(str(tmp_path / "dd"), None, "validation", 0, None)
+
+
+def test_load_errors(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_mixture(f"{_write(tmp_path, 'jsonl')},{missing}", None, "train", 0, None)
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ValueError, match=r"suffix '\.txt'"):
+        load_mixture(str(tmp_path / "x.txt"), None, "train", 0, None)
+    with pytest.raises(ValueError, match="max_samples"):
+        load_mixture(_write(tmp_path, "jsonl"), None, "train", 0, 0)
+
+
+def _two_sources(tmp_path: Path, n: int = 1000) -> str:
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    pa = _write(a, "jsonl", [{"prompt": f"a{i}", "src": "a", "extra": i} for i in range(n)])
+    pb = _write(b, "parquet", [{"prompt": f"b{i}", "src": "b"} for i in range(n)])
+    return f"{pa}, {pb}"
+
+
+def test_probs_mixing(tmp_path):
+    both = _two_sources(tmp_path)
+    head = load_mixture(both, "3,1", "train", 0, 400)
+    assert len(head) == 400 and 260 <= head["src"].count("a") <= 340
+    full = load_mixture(both, "0.5,0.5", "train", 0, None)
+    assert {p for p in full["prompt"] if p.startswith("b")} == {f"b{i}" for i in range(1000)}
+    assert head["prompt"] == load_mixture(both, "3,1", "train", 0, 400)["prompt"]
+    assert head["prompt"] != load_mixture(both, "3,1", "train", 1, 400)["prompt"]
+    for bad in ("1", "1,2,3", "1,0", "1,-1", "1,x"):
+        with pytest.raises(ValueError, match="probs"):
+            load_mixture(both, bad, "train", 0, None)
+
+
+def test_concat_keeps_common_columns(tmp_path):
+    ds = load_mixture(_two_sources(tmp_path, 5), None, "train", 0, None)
+    assert ds.column_names == ["prompt", "src"]
+    assert ds["src"] == ["a"] * 5 + ["b"] * 5
+    with pytest.raises(ValueError, match=r"--label-key 'extra' .*dropped.*\['extra'\]"):
+        check_keys(ds, {"--label-key": "extra"}, "training dataset")
+
+
+def test_check_keys_message():
+    ds = datasets.Dataset.from_list(ROWS)
+    check_keys(ds, {"--input-key": "prompt", "--output-key": "response", "--label": None}, "x")
+    msg = (
+        "--input-key 'question' is not a column of the training dataset; "
+        "columns: ['prompt', 'response']"
+    )
+    with pytest.raises(ValueError) as err:
+        check_keys(ds, {"--input-key": "question"}, "training dataset")
+    assert str(err.value) == msg
+
+
+def test_split_train_eval():
+    ds = datasets.Dataset.from_list([{"i": i} for i in range(100)])
+    train, ev = split_train_eval(ds, None, 0.1, seed=3)
+    assert (len(train), len(ev)) == (90, 10)
+    assert set(train["i"]).isdisjoint(ev["i"]) and set(train["i"]) | set(ev["i"]) == set(range(100))
+    assert ev["i"] == split_train_eval(ds, None, 0.1, seed=3)[1]["i"]
+    assert ev["i"] != split_train_eval(ds, None, 0.1, seed=4)[1]["i"]
+    assert ev["i"] != list(range(10))  # random, not the head
+    given = datasets.Dataset.from_list([{"i": -1}])
+    assert split_train_eval(ds, given, 0.1, 0) == (ds, given)
+    assert split_train_eval(ds, None, 0.0, 0) == (ds, None)
+    two = ds.select([0, 1])
+    assert [len(x) for x in split_train_eval(two, None, 0.9, 0)] == [1, 1]
+    assert [len(x) for x in split_train_eval(ds, None, 0.001, 0)] == [99, 1]
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="eval_ratio"):
+            split_train_eval(ds, None, bad, 0)
+    with pytest.raises(ValueError, match="at least 2"):
+        split_train_eval(ds.select([0]), None, 0.5, 0)
+
+
+# ---------------------------------------------------------------- tokenisation
+
+
+def test_tokenize_sft_mask_and_eos(tok):
+    prompt_ids = tok.encode("reverse: abcd")
+    resp_ids = tok.encode("dcba", add_special_tokens=False)
+    out = tokenize_sft(tok, "reverse: abcd", "dcba", 64)
+    assert out["input_ids"] == prompt_ids + resp_ids + [tok.eos_token_id]
+    assert out["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(resp_ids) + 1)
+    chat = tokenize_sft(
+        tok, "abcd", "dcba", 64, input_template="reverse: {}", apply_chat_template=True
+    )
+    n = len(render_prompt(tok, "reverse: abcd", None, True))
+    assert chat["input_ids"][n - 1] == 4 and chat["input_ids"][-1] == tok.eos_token_id
+    assert chat["loss_mask"] == [0] * n + [1] * (len(chat["input_ids"]) - n)
+
+
+def test_tokenize_sft_when_pad_is_eos(tiny_dir):
+    same = AutoTokenizer.from_pretrained(tiny_dir, pad_token="<|eos|>")
+    assert same.pad_token_id == same.eos_token_id == 1
+    out = tokenize_sft(same, "upper: abc", "ABC", 64)
+    assert out["input_ids"][-1] == 1 and out["loss_mask"][-1] == 1
+    assert out["input_ids"].count(1) == 1
+
+
+def test_tokenize_sft_truncation(tok):
+    n = len(tok.encode("last word: " + "a b c " * 10))
+    full = tokenize_sft(tok, "last word: " + "a b c " * 10, "hello world", 512)
+    cut = tokenize_sft(tok, "last word: " + "a b c " * 10, "hello world", n + 1)
+    assert cut["input_ids"] == full["input_ids"][: n + 1] and sum(cut["loss_mask"]) == 1
+    assert len(cut["loss_mask"]) == n + 1
+    assert tokenize_sft(tok, "last word: " + "a b c " * 10, "x", n) is None
+    with pytest.raises(ValueError, match="max_len"):
+        tokenize_sft(tok, "p", "r", 0)
+
+
+def test_tokenize_pair(tok):
+    out = tokenize_pair(tok, "reverse: abcd", "dcba", "1234", 64)
+    p = tok.encode("reverse: abcd")
+    for key, resp in (("chosen_ids", "dcba"), ("rejected_ids", "1234")):
+        assert out[key] == p + tok.encode(resp, add_special_tokens=False) + [tok.eos_token_id]
+    n = len(p)
+    cut = tokenize_pair(tok, "reverse: abcd", "dcba dcba dcba", "1234 1234 1234", n + 2)
+    assert [len(v) for v in cut.values()] == [n + 2, n + 2]
+    assert all(v[-1] == tok.eos_token_id and v[:n] == p for v in cut.values())
+    assert cut["chosen_ids"][n] != cut["rejected_ids"][n]
+    assert tokenize_pair(tok, "reverse: abcd", "dcba", "1234", n + 1) is None
+
+
+# ---------------------------------------------------------------- bundled data
+
+
+def test_bundled_files():
+    expect = {
+        "sft_toy.jsonl": (2000, ["prompt", "response"]),
+        "preference_toy.jsonl": (2000, ["prompt", "chosen", "rejected", "margin"]),
+        "prompts_toy.jsonl": (1000, ["prompt", "target"]),
+    }
+    for name, (n, keys) in expect.items():
+        path = Path(make_default_path(name))
+        assert path.is_absolute() and path.stat().st_size < 300_000
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(rows) == n and all(list(r) == keys for r in rows)
+    prefs = load_mixture(make_default_path("preference_toy.jsonl"), None, "train", 0, None)
+    assert all(c != r for c, r in zip(prefs["chosen"], prefs["rejected"]))
+    assert all(m > 0 for m in prefs["margin"])
+    with pytest.raises(FileNotFoundError, match="sft_toy.jsonl"):
+        make_default_path("nope.jsonl")
+
+
+def test_bundled_files_match_generator(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "make_toy_data", data.DATA_DIR / "make_toy_data.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--check"]) == 0
+    assert mod.main(["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "sft_toy.jsonl").read_bytes() == Path(
+        make_default_path("sft_toy.jsonl")
+    ).read_bytes()

@@ -1,0 +1,105 @@
+"""Resumable checkpoints that a crash cannot corrupt.
+
+``<output_dir>/checkpoints/step-000003/`` holds the DeepSpeed engine (model, optimizer, scheduler:
+``engine.save_checkpoint``), ``trainer_state.json`` (step, data position) and every rank's RNG
+states. A checkpoint is written into ``.tmp-step-000003`` and renamed into place by rank 0 only
+after every rank has finished writing; the rename is the commit. A save that dies midway leaves
+a ``.tmp-*`` folder that resume ignores (and the next save removes), so the previous checkpoint
+stays usable. Resume takes the newest ``step-*`` folder. ``--output-dir`` must be on a file
+system every node sees (as for DeepSpeed checkpoints in general).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TAG = "engine"
+
+
+def checkpoint_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest committed ``step-N`` folder, or None."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    found = [(s, p) for s, p in found if (p / "trainer_state.json").is_file()]
+    return max(found)[1] if found else None
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(engine, output_dir: str | os.PathLike, step: int, state: dict) -> Path:
+    """Collective: every rank calls it. Returns the committed folder."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    root = checkpoint_root(output_dir)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}"
+    if rank == 0:
+        for stale in root.glob(".tmp-step-*") if root.is_dir() else []:
+            shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save
+        tmp.mkdir(parents=True)
+    _barrier()
+    engine.save_checkpoint(str(tmp), tag=_TAG, save_latest=False)
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        if final.exists():  # a re-save of the same step (a resumed run): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def load_checkpoint(engine, path: Path) -> dict:
+    """Restore engine (model, optimizer, scheduler) and this rank's RNG; returns the trainer
+    state (``step`` and what the trainer saved)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    load_path, _ = engine.load_checkpoint(str(path), tag=_TAG)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+    rng = path / f"rng_rank{rank}.pt"
+    if not rng.is_file():
+        raise ValueError(
+            f"{path} has no RNG state for rank {rank}: was it saved with a different number of "
+            f"processes? (resume with the same torchrun layout)"
+        )
+    _set_rng_state(torch.load(rng, weights_only=False))
+    return json.loads((path / "trainer_state.json").read_text())

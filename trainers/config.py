@@ -1,0 +1,126 @@
+"""Typed configs shared by the trainers. The CLI and ``--config FILE.yaml`` both fill them
+(``trainers.cli.parse_config``); ``--help`` is generated from the ``help`` metadata below."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _f(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class TrainConfig:
+    """Flags every trainer shares (model, data, batching, parallelism, checkpoints, logging)."""
+
+    # model
+    model: str | None = _f(
+        None, "local Hugging Face model folder (default: the bundled tiny Llama)"
+    )
+    # data (OpenRLHF's prompt_split / eval_split are --split / --eval-split)
+    dataset: str | None = _f(
+        None,
+        "comma-separated .jsonl/.json/.parquet/.csv files or save_to_disk folders "
+        "(default: the bundled toy set of this trainer)",
+    )
+    dataset_probs: str | None = _f(None, "comma-separated mixing probabilities, one per dataset")
+    split: str = _f("train", "split of --dataset that trains (plain files have only 'train')")
+    eval_dataset: str | None = _f(None, "separate evaluation data (same formats as --dataset)")
+    eval_split: str = _f("train", "split of --eval-dataset that evaluates")
+    eval_ratio: float = _f(
+        0.05,
+        "without --eval-dataset, hold out this seeded fraction of --dataset for evaluation "
+        "(never trained on); 0 disables evaluation",
+    )
+    max_samples: int | None = _f(None, "use at most this many training samples")
+    input_key: str = _f("prompt", "column holding the prompt")
+    output_key: str = _f("response", "column holding the response (SFT)")
+    input_template: str | None = _f(None, "prompt template containing '{}', e.g. 'Q: {}\\nA: '")
+    apply_chat_template: bool = _f(False, "wrap the prompt with the tokenizer's chat template")
+    max_len: int = _f(512, "truncate each sample (prompt + response + EOS) to this many tokens")
+    # batching
+    batch_size: int = _f(
+        32, "global batch in samples per optimizer step, whatever the number of ranks"
+    )
+    micro_batch_tokens: int = _f(
+        2048,
+        "token budget of one packed micro-batch (per ring group: the ring splits it); "
+        "micro-batches are planned by plan_micro_batches and balanced across data-parallel ranks",
+    )
+    no_packing: bool = _f(
+        False, "padded [B, max_len] micro-batches (same samples and plan) for comparison"
+    )
+    # parallelism
+    ring_attn_size: int = _f(1, "ranks per ring-attention (sequence-parallel) group")
+    ring_layout: str = _f("zigzag", "token placement on the ring", choices=("zigzag", "contiguous"))
+    zero_stage: int = _f(0, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3))
+    offload: bool = _f(False, "keep the optimizer states on the CPU (DeepSpeed offload)")
+    tp_size: int = _f(1, "DeepSpeed AutoTP tensor-parallel size")
+    dtype: str = _f(
+        "fp32", "training dtype (bf16: bf16 weights, fp32 master copy)", choices=("fp32", "bf16")
+    )
+    gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass")
+    # optimisation
+    lr: float = _f(5e-4, "AdamW peak learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    lr_scheduler: str = _f(
+        "cosine",
+        "decay after warm-up (cosine: to 10% of --lr at the last step)",
+        choices=("cosine", "constant"),
+    )
+    max_grad_norm: float = _f(1.0, "gradient clipping by global norm (0 disables)")
+    epochs: int = _f(1, "passes over the training data")
+    max_steps: int | None = _f(None, "stop after this many optimizer steps (default: all epochs)")
+    seed: int = _f(0, "seed for data order, held-out split and initialisation")
+    # outputs
+    output_dir: str = _f("runs/sft", "metrics.jsonl, TensorBoard, plot, checkpoints and the model")
+    save_steps: int = _f(0, "save a resumable checkpoint every N steps (0: only at the end)")
+    eval_steps: int = _f(0, "evaluate every N steps (0: only at the end)")
+    resume: bool = _f(False, "continue from the newest complete checkpoint in --output-dir")
+    logger: str = _f(
+        "tensorboard",
+        "metrics sink besides metrics.jsonl",
+        choices=("tensorboard", "wandb", "none"),
+    )
+    timeout_s: int = _f(600, "seconds a collective may wait before the job fails")
+
+    def validate(self) -> None:
+        """Local checks (no model or data needed): ValueError naming the flag."""
+        positive = (
+            "batch_size",
+            "micro_batch_tokens",
+            "max_len",
+            "ring_attn_size",
+            "tp_size",
+            "epochs",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        for name in ("max_steps", "max_samples"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        for name in ("save_steps", "eval_steps", "warmup_steps", "timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+                )
+        if not 0.0 <= self.eval_ratio < 1.0:
+            raise ValueError(f"--eval-ratio must be in [0, 1), got {self.eval_ratio}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.input_template is not None and "{}" not in self.input_template:
+            raise ValueError(
+                f"--input-template must contain '{{}}' where the prompt goes, got "
+                f"{self.input_template!r}"
+            )
+        if self.no_packing and self.ring_attn_size > 1:
+            raise ValueError(
+                "--no-packing cannot be combined with --ring-attn-size > 1 "
+                "(the ring splits one packed stream)"
+            )

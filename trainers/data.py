@@ -1,0 +1,228 @@
+"""Dataset loading, mixing, holdout and tokenisation shared by the trainers.
+
+Token rows are plain ``list[int]``; ``loss_mask`` has the length of ``input_ids`` with 1 on the
+tokens the loss is taken on (response and EOS). Every sample ends in ``tokenizer.eos_token_id``
+unless truncation cut it off (SFT only; pairs always keep it so a reward is read at EOS).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from pathlib import Path
+
+import datasets
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_DROPPED = "load_mixture dropped columns not shared by every dataset: "
+
+
+def make_default_path(name: str) -> str:
+    """Absolute path of a bundled file in ``trainers/data``, e.g. ``"sft_toy.jsonl"``."""
+    path = DATA_DIR / name
+    if not path.is_file():
+        have = sorted(p.name for p in DATA_DIR.iterdir() if p.is_file())
+        raise FileNotFoundError(f"name {name!r}: expected one of {have}, got no such file")
+    return str(path)
+
+
+def _load_one(item: str, split: str) -> datasets.Dataset:
+    path = Path(item).expanduser()
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+    elif path.is_file():
+        builder = _BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(
+                f"dataset {item!r}: expected a file ending in {sorted(_BUILDERS)} or a folder "
+                f"from save_to_disk, got suffix {path.suffix!r}"
+            )
+        loaded = datasets.load_dataset(builder, data_files=str(path))
+    else:
+        raise FileNotFoundError(f"dataset {item!r}: no such file or folder")
+    splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]
+    if split not in splits:
+        raise ValueError(f"split {split!r} of dataset {item!r}: expected one of {splits}")
+    return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+
+
+def _parse_probs(probs: str, n: int) -> list[float]:
+    try:
+        values = [float(p) for p in probs.split(",")]
+    except ValueError:
+        raise ValueError(f"probs: expected comma-separated floats, got {probs!r}") from None
+    if len(values) != n or any(not v > 0 for v in values):
+        raise ValueError(f"probs: expected {n} positive floats (one per dataset), got {probs!r}")
+    return [v / sum(values) for v in values]
+
+
+def _common_columns(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
+    """Keep only the columns every part has (first part's order), cast to the first's types."""
+    common = [c for c in parts[0].column_names if all(c in p.column_names for p in parts)]
+    dropped = sorted({c for p in parts for c in p.column_names} - set(common))
+    if not common:
+        raise ValueError(
+            f"dataset: expected datasets sharing at least one column, got columns "
+            f"{[p.column_names for p in parts]}"
+        )
+    parts = [p.select_columns(common) for p in parts]
+    features = parts[0].features
+    parts = [p if p.features == features else p.cast(features) for p in parts]
+    if dropped:
+        for p in parts:
+            p.info.description = f"{p.info.description or ''}\n{_DROPPED}{dropped}".lstrip("\n")
+    return parts
+
+
+def load_mixture(
+    dataset: str, probs: str | None, split: str, seed: int, max_samples: int | None
+) -> datasets.Dataset:
+    """Load a comma-separated list of files/save_to_disk folders and mix them into one Dataset.
+
+    Plain files have a single split, ``"train"``. Several datasets: with ``probs`` they are
+    interleaved (seeded, until every one is exhausted), without they are concatenated in order.
+    Only the columns common to all are kept. ``max_samples`` keeps the first N after mixing.
+    """
+    items = [s.strip() for s in dataset.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"dataset: expected comma-separated files or folders, got {dataset!r}")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples: expected a positive int or None, got {max_samples!r}")
+    weights = _parse_probs(probs, len(items)) if probs is not None else None
+    parts = [_load_one(item, split) for item in items]
+    if len(parts) == 1:
+        mixed = parts[0]
+    else:
+        parts = _common_columns(parts)
+        if weights is None:
+            mixed = datasets.concatenate_datasets(parts)
+        else:
+            mixed = datasets.interleave_datasets(
+                parts, probabilities=weights, seed=seed, stopping_strategy="all_exhausted"
+            )
+        mixed.info.description = parts[0].info.description
+    if max_samples is not None and max_samples < len(mixed):
+        mixed = mixed.select(range(max_samples))
+    return mixed
+
+
+def split_train_eval(
+    train: datasets.Dataset, eval_ds: datasets.Dataset | None, eval_ratio: float, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """``(train, eval)``: ``eval_ds`` as given, else a seeded ``eval_ratio`` holdout of ``train``.
+
+    The holdout has at least 1 row and leaves at least 1; both keep their original row order and
+    never overlap. ``eval_ratio == 0`` and no ``eval_ds`` gives ``(train, None)``.
+    """
+    if not 0 <= eval_ratio < 1:
+        raise ValueError(f"eval_ratio: expected a float in [0, 1), got {eval_ratio!r}")
+    if eval_ds is not None or eval_ratio == 0:
+        return train, eval_ds
+    n = len(train)
+    if n < 2:
+        raise ValueError(f"eval_ratio: holding out needs at least 2 training rows, got {n}")
+    n_eval = min(max(1, round(n * eval_ratio)), n - 1)
+    held = set(random.Random(seed).sample(range(n), n_eval))
+    return (
+        train.select([i for i in range(n) if i not in held]),
+        train.select(sorted(held)),
+    )
+
+
+def check_keys(ds: datasets.Dataset, keys: dict[str, str | None], what: str) -> None:
+    """Raise ValueError naming the flag if a column in ``keys`` (flag -> column) is missing."""
+    for flag, column in keys.items():
+        if column is not None and column not in ds.column_names:
+            msg = f"{flag} {column!r} is not a column of the {what}; columns: {ds.column_names}"
+            notes = [ln for ln in (ds.info.description or "").splitlines() if _DROPPED in ln]
+            raise ValueError(msg + (f" ({notes[-1]})" if notes else ""))
+
+
+def render_prompt(
+    tokenizer, text: str, input_template: str | None, apply_chat_template: bool
+) -> list[int]:
+    """Prompt token ids: ``input_template.format(text)``, then a one-turn chat with a generation
+    prompt if ``apply_chat_template`` (specials come from the template), else ``encode`` (which
+    adds BOS if the tokenizer does)."""
+    if input_template is not None:
+        if "{}" not in input_template:
+            raise ValueError(
+                f"input_template: expected a string containing '{{}}', got {input_template!r}"
+            )
+        text = input_template.format(text)
+    if not apply_chat_template:
+        return list(tokenizer.encode(text))
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("apply_chat_template: expected a tokenizer with a chat_template, got none")
+    messages = [{"role": "user", "content": text}]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers >= 5: BatchEncoding
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(i) for i in out]
+
+
+def _eos_id(tokenizer) -> int:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("tokenizer: expected an eos_token_id, got None")
+    return int(eos)
+
+
+def _check_max_len(max_len: int, least: int) -> None:
+    if max_len < least:
+        raise ValueError(f"max_len: expected an int >= {least}, got {max_len!r}")
+
+
+def tokenize_sft(
+    tokenizer,
+    prompt: str,
+    response: str,
+    max_len: int,
+    input_template: str | None = None,
+    apply_chat_template: bool = False,
+) -> dict[str, list[int]] | None:
+    """``{"input_ids": prompt + response + [eos], "loss_mask": 0s then 1s}``, both <= max_len.
+
+    Truncation keeps the start (so a long response may lose its EOS). Returns None when the
+    prompt alone fills ``max_len`` (no response token would be trained): callers count drops.
+    """
+    _check_max_len(max_len, 1)
+    prompt_ids = render_prompt(tokenizer, prompt, input_template, apply_chat_template)
+    if len(prompt_ids) >= max_len:
+        return None
+    answer = [*tokenizer.encode(response, add_special_tokens=False), _eos_id(tokenizer)]
+    ids = (prompt_ids + answer)[:max_len]
+    mask = ([0] * len(prompt_ids) + [1] * len(answer))[:max_len]
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def tokenize_pair(
+    tokenizer,
+    prompt: str,
+    chosen: str,
+    rejected: str,
+    max_len: int,
+    input_template: str | None = None,
+    apply_chat_template: bool = False,
+) -> dict[str, list[int]] | None:
+    """``{"chosen_ids", "rejected_ids"}``: prompt + response, cut to ``max_len - 1``, + [eos].
+
+    The last token is always EOS (the reward is read there). Returns None when the prompt leaves
+    no room for one response token and the EOS (``len(prompt_ids) + 2 > max_len``).
+    """
+    _check_max_len(max_len, 2)
+    prompt_ids = render_prompt(tokenizer, prompt, input_template, apply_chat_template)
+    if len(prompt_ids) + 2 > max_len:
+        return None
+    eos = _eos_id(tokenizer)
+
+    def seq(response: str) -> list[int]:
+        ids = prompt_ids + list(tokenizer.encode(response, add_special_tokens=False))
+        return ids[: max_len - 1] + [eos]
+
+    return {"chosen_ids": seq(chosen), "rejected_ids": seq(rejected)}

@@ -1,0 +1,166 @@
+"""DeepSpeed for the trainers: one config, one engine, full weights back out.
+
+Optimizer steps take a variable number of micro-batches (token-budget planning), so the
+DeepSpeed config says one micro-batch per step (``gradient_accumulation_steps = 1``) and the
+trainer marks the accumulation boundary itself (``accumulate``): gradients of all micro-batches
+of a step are summed, DeepSpeed averages them over its data-parallel group, and the trainer
+scales each micro-batch loss so that the result is the gradient of the global token mean.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from trainers.distributed import Layout
+
+
+def ds_config(cfg, layout: Layout) -> dict:
+    """The DeepSpeed JSON config of a run (ZeRO stage, offload, AutoTP, dtype, clipping)."""
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {
+        # the trainer decides the real batch: these only satisfy DeepSpeed's batch arithmetic
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": layout.world,  # DeepSpeed counts every rank, TP ranks included
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if layout.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": layout.tp}
+    return config
+
+
+def lr_lambda(cfg, total_steps: int):
+    """Linear warm-up, then constant or cosine decay to 10% at ``total_steps``."""
+
+    def factor(step: int) -> float:  # step = optimizer steps taken so far
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_scheduler == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def build_engine(module: torch.nn.Module, cfg, layout: Layout, total_steps: int):
+    """``deepspeed.initialize`` with AdamW and the warm-up/cosine schedule."""
+    import deepspeed
+
+    if cfg.offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(
+            [p for p in module.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            adamw_mode=True,
+        )
+    else:
+        opt = torch.optim.AdamW(
+            [p for p in module.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+        )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=opt, lr_scheduler=sched, config=ds_config(cfg, layout)
+    )
+    return engine
+
+
+def accumulate(engine, loss: torch.Tensor, last: bool) -> None:
+    """Backward of one micro-batch; ``last`` marks the step's accumulation boundary."""
+    engine.set_gradient_accumulation_boundary(last)
+    engine.backward(loss, scale_wrt_gas=False)
+
+
+def optimizer_step(engine, layout: Layout) -> float:
+    """``engine.step()``; returns the global gradient norm before clipping.
+
+    ZeRO 1-3 and bf16 optimizers report it; for plain fp32 ZeRO-0 it is computed here (tensor-
+    parallel shards summed over the TP group, replicated weights counted once).
+    """
+    norm = None
+    if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+
+        sq = torch.zeros((), dtype=torch.float64, device=layout.device)
+        for p in engine.module.parameters():
+            if p.grad is not None and (layout.tp_rank == 0 or is_model_parallel_parameter(p)):
+                sq += p.grad.detach().double().pow(2).sum()
+        if layout.tp > 1:
+            from deepspeed.utils import groups
+
+            torch.distributed.all_reduce(sq, group=groups.get_tensor_model_parallel_group())
+        norm = sq.sqrt().item()
+    engine.step()
+    return norm if norm is not None else float(engine.get_global_grad_norm())
+
+
+def full_state_dict(engine, layout: Layout) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights of ``engine.module`` on rank 0 (None elsewhere). Collective.
+
+    One module at a time, ZeRO-3 partitions are gathered (``zero.GatheredParameters``) and
+    AutoTP shards are gathered over the tensor-parallel group (``GatherReplacedLayerParams``;
+    ``engine.save_16bit_model`` alone would write one TP shard). Non-persistent buffers (rotary
+    tables) are left out, as in ``module.state_dict()``.
+    """
+    import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    sd: dict[str, torch.Tensor] = {}
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        params = list(module.parameters(recurse=False))
+        if params:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                with GatherReplacedLayerParams(params, module, enabled=layout.tp > 1):
+                    if layout.is_main:
+                        for name, p in module.named_parameters(recurse=False):
+                            sd[prefix + name] = p.detach().cpu().clone()
+        if layout.is_main:
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and name not in module._non_persistent_buffers_set:
+                    sd[prefix + name] = b.detach().cpu().clone()
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.")
+
+    visit(engine.module, "")
+    return sd if layout.is_main else None
+
+
+def save_hf_model(
+    model,
+    tokenizer,
+    state_dict: dict,
+    path: str | os.PathLike,
+    prefix: str,
+    extra_config: dict | None = None,
+) -> Path:
+    """Rank 0: ``save_pretrained`` of the wrapped HF model from a gathered state dict, atomically
+    (written next to ``path``, then renamed over it)."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    sd = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    for key, value in (extra_config or {}).items():
+        setattr(model.config, key, value)
+    model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path

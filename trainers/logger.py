@@ -1,0 +1,205 @@
+"""Training metrics for people to read: ``metrics.jsonl`` always, plus TensorBoard or wandb, and
+a PNG plot on ``close``. Only the rank built with ``enabled=True`` (rank 0) writes anything.
+
+``metrics.jsonl`` holds one JSON object per ``log`` call, ``{"step": N, "key": value, ...}``,
+values at full precision, flushed line by line so a crash keeps what was logged. NaN and
+infinities are written as ``null`` (JSON has no NaN); TensorBoard and wandb get the float.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+KINDS = ("tensorboard", "wandb", "none")
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` file (or of the one in folder ``path``) in file order.
+
+    An unparsable last line (a write cut short by a crash) is dropped.
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    with open(path) as fh:
+        lines = [ln for ln in fh.read().splitlines() if ln.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {line!r}") from None
+    return out
+
+
+def _number(key: str, value: Any) -> int | float:
+    """Python int/float from a Python, numpy or one-element torch number."""
+    if hasattr(value, "item") and not isinstance(value, (int, float)):
+        try:
+            value = value.item()
+        except (RuntimeError, ValueError):
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"metric {key!r}: expected a number, got {value!r}")
+    return value
+
+
+class MetricsLogger:
+    """Writes ``<output_dir>/metrics.jsonl`` and the ``kind`` sink: ``"tensorboard"``
+    (``<output_dir>/tensorboard``), ``"wandb"`` (offline unless ``WANDB_MODE`` says otherwise,
+    files under ``<output_dir>/wandb``) or ``"none"``.
+
+    ``resume=True`` keeps the earlier records of ``metrics.jsonl`` whose step is below the first
+    step logged now; ``resume=False`` starts it afresh. TensorBoard hides earlier events from
+    the first step logged now on.
+    ``enabled=False`` (non-zero ranks) makes every method a no-op.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        kind: str = "tensorboard",
+        enabled: bool = True,
+        run_name: str | None = None,
+        config: dict | None = None,
+        resume: bool = False,
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+        self.output_dir, self.kind, self.enabled, self.resume = output_dir, kind, enabled, resume
+        self.path = os.path.join(output_dir, METRICS_FILE)
+        self._file = self._tb = self._wandb = None
+        self._closed = self._started = False
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if not resume:
+            self._file = open(self.path, "w")
+        if kind == "wandb":
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError(
+                    "--logger wandb needs the wandb package: `pip install wandb`, "
+                    "or use --logger tensorboard"
+                ) from e
+            self._wandb = wandb.init(
+                project="rlhf-kernels",
+                dir=output_dir,
+                mode=os.environ.get("WANDB_MODE", "offline"),
+                name=run_name,
+                config=config,
+            )
+
+    def _open(self, step: int) -> None:
+        """First ``log``: truncate a resumed file at ``step``; TensorBoard hides older events at
+        steps >= ``step`` (its purge_step), so a rerun in the same folder does not overlap."""
+        self._started = True
+        if self._file is None:
+            kept = []
+            if os.path.exists(self.path):
+                kept = [r for r in read_metrics(self.path) if r.get("step", step) < step]
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(tmp, self.path)
+            self._file = open(self.path, "a")
+        if self.kind == "tensorboard" and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=step)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Record ``metrics`` (numbers, numpy or one-element tensors) at optimizer ``step``."""
+        if not self.enabled:
+            return
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log() called after close()")
+        if "step" in metrics:
+            raise ValueError("metrics: the key 'step' is reserved; pass it as step=")
+        step = int(step)
+        values = {k: _number(k, v) for k, v in metrics.items()}
+        if not self._started:
+            self._open(step)
+        finite = {k: v if math.isfinite(v) else None for k, v in values.items()}
+        self._file.write(json.dumps({"step": step, **finite}, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, float(v), step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self, plot_keys: list[tuple[str, ...]] | None = None, title: str = "") -> str | None:
+        """Flush and close the sinks; with ``plot_keys`` (one subplot per tuple of keys) write
+        ``metrics.png`` from the whole ``metrics.jsonl`` and return its path, else None."""
+        if not self.enabled:
+            return None
+        if not self._closed:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+            if self._tb is not None:
+                self._tb.flush()
+                self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+        if not plot_keys or not os.path.exists(self.path):
+            return None
+        return plot_metrics(read_metrics(self.path), plot_keys, self.output_dir, title)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def plot_metrics(
+    records: list[dict[str, Any]], plot_keys: list[tuple[str, ...]], output_dir: str, title: str
+) -> str | None:
+    """``<output_dir>/metrics.png``, one subplot per key group against step; keys never logged
+    are skipped; None (and no file) when nothing is left to plot."""
+    series: dict[str, tuple[list, list]] = {}
+    for r in sorted(records, key=lambda r: r.get("step", 0)):
+        for k, v in r.items():
+            if k != "step" and v is not None:
+                xs, ys = series.setdefault(k, ([], []))
+                xs.append(r["step"])
+                ys.append(v)
+    groups = [[k for k in keys if k in series] for keys in plot_keys]
+    groups = [g for g in groups if g]
+    if not groups:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # headless, no pyplot state
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    ncols = min(2, len(groups))
+    nrows = -(-len(groups) // ncols)
+    fig = Figure(figsize=(6.4 * ncols, 3.8 * nrows), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, keys in zip(axes, groups):
+        for k in keys:
+            xs, ys = series[k]
+            ax.plot(xs, ys, label=k, marker="o" if len(xs) <= 30 else None, markersize=3)
+        ax.set_title(", ".join(keys))
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(keys[0] if len(keys) == 1 else "value")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in axes[len(groups) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    path = os.path.join(output_dir, PLOT_FILE)
+    fig.savefig(path)
+    return path

@@ -1,0 +1,211 @@
+"""A trainer run's bookkeeping, so the loops in ``sft.py`` / ``rm.py`` show only training:
+process groups, model and tokenizer paths, data, engine + resume, progress, metrics, checkpoints
+and the final Hugging Face model.
+
+Bad input (a missing column, an unknown split, a sample longer than a micro-batch, sizes that do
+not divide) is found identically on every rank from the same files, or through a collective
+check, and ends every rank with one ``error:`` line and exit code 2 before the model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainers import common, data
+from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.distributed import Layout, init_distributed
+
+DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl"}
+
+
+@dataclass
+class Session:
+    cfg: Any
+    kind: str
+    layout: Layout
+    model_path: str
+    tokenizer: Any
+    logger: Any
+    total: int = 0
+
+    # ------------------------------------------------------------------------- start
+    @classmethod
+    def start(cls, cfg, kind: str) -> Session:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            layout = init_distributed(cfg.ring_attn_size, cfg.tp_size, cfg.timeout_s)
+        except ValueError as e:
+            common.fail(str(e))
+        try:
+            common.check_output_dir(cfg.output_dir, layout)
+        except ValueError as e:
+            common.fail(str(e))
+        common.seed_everything(cfg.seed)
+        model_path = cfg.model
+        if model_path is None:
+            from trainers.tiny import ensure_tiny
+
+            model_path = ensure_tiny()  # race-safe: every rank may build, one folder wins
+        from transformers import AutoConfig, AutoTokenizer
+
+        try:
+            mcfg = AutoConfig.from_pretrained(model_path)
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError) as e:
+            common.fail(f"--model {model_path!r} is not a local Hugging Face model folder: {e}")
+        heads = getattr(mcfg, "num_attention_heads", None)
+        kv = getattr(mcfg, "num_key_value_heads", None) or heads
+        if cfg.tp_size > 1 and heads and (heads % cfg.tp_size or kv % cfg.tp_size):
+            common.fail(
+                f"--tp-size {cfg.tp_size} must divide the model's attention heads ({heads}) "
+                f"and key/value heads ({kv})"
+            )
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        from trainers.cli import config_to_dict
+        from trainers.logger import MetricsLogger
+
+        logger = MetricsLogger(
+            cfg.output_dir,
+            kind=cfg.logger,
+            enabled=layout.is_main,
+            run_name=f"{kind}-{Path(cfg.output_dir).name}",
+            config=config_to_dict(cfg),
+            resume=cfg.resume,
+        )
+        if layout.is_main:
+            Path(cfg.output_dir, "config.json").write_text(
+                json.dumps(config_to_dict(cfg), indent=1)
+            )
+        return cls(cfg, kind, layout, model_path, tokenizer, logger)
+
+    # ------------------------------------------------------------------------- data
+    def load_data(self, keys: dict, tokenize, lengths):
+        """Rows -> tokenized train and eval samples; every problem is an ``error:`` exit."""
+        cfg = self.cfg
+        try:
+            path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
+            rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
+            data.check_keys(rows, keys, "training dataset")
+            eval_rows = None
+            if cfg.eval_dataset:
+                eval_rows = data.load_mixture(
+                    cfg.eval_dataset, None, cfg.eval_split, cfg.seed, None
+                )
+                data.check_keys(eval_rows, keys, "evaluation dataset")
+            rows, eval_rows = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+            train, dropped = tokenize(rows)
+            evals, _ = tokenize(eval_rows) if eval_rows is not None else ([], 0)
+            if not train:
+                raise ValueError(f"no training sample fits --max-len {cfg.max_len}")
+            problem = common.check_lengths(
+                [lengths(s) for s in train + evals], cfg.micro_batch_tokens, "training/eval"
+            )
+            if problem:
+                raise ValueError(problem)
+            self.total = common.total_steps(len(train), cfg)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            common.fail(str(e).strip("'\""))
+        if dropped:
+            self.print(f"dropped {dropped} samples whose prompt fills --max-len {cfg.max_len}")
+        self.print(
+            f"{len(train)} training / {len(evals)} eval samples, {self.total} steps of "
+            f"{cfg.batch_size} samples on {self.layout.world} rank(s) "
+            f"(dp {self.layout.dp} x ring {self.layout.ring} x tp {self.layout.tp})"
+        )
+        return train, evals
+
+    # ------------------------------------------------------------------------- models
+    def _from_pretrained(self, auto_cls, **kwargs):
+        from rlhf_kernels.integrations.hf import register
+
+        attn = "sdpa" if self.cfg.no_packing else register()
+        dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
+        model = auto_cls.from_pretrained(
+            self.model_path, attn_implementation=attn, dtype=dtype, **kwargs
+        )
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        model.config.use_cache = False
+        return model
+
+    def load_causal_lm(self):
+        from transformers import AutoModelForCausalLM
+
+        return self._from_pretrained(AutoModelForCausalLM)
+
+    def build(self, module: torch.nn.Module, n_train: int):
+        """DeepSpeed engine; with ``--resume`` restored from the newest checkpoint.
+        Returns (engine, steps already done)."""
+        from trainers.engine import build_engine
+
+        engine = build_engine(module, self.cfg, self.layout, self.total)
+        start = 0
+        if self.cfg.resume:
+            ckpt = latest_checkpoint(self.cfg.output_dir)
+            if ckpt is None:
+                self.print(f"--resume: no checkpoint in {self.cfg.output_dir}, starting fresh")
+            else:
+                start = load_checkpoint(engine, ckpt)["step"]
+                self.print(f"resumed from {ckpt} (step {start})")
+        return engine, start
+
+    # ------------------------------------------------------------------------- the loop
+    def progress(self, start: int):
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            range(start + 1, self.total + 1),
+            initial=start,
+            total=self.total,
+            desc=self.kind,
+            unit="step",
+            disable=not self.layout.is_main,
+            file=sys.stderr,
+        )
+        return self._bar
+
+    def is_eval_step(self, step: int) -> bool:
+        every = self.cfg.eval_steps
+        return step == self.total or (every > 0 and step % every == 0)
+
+    def end_step(self, step: int, metrics: dict, engine) -> None:
+        self.logger.log(metrics, step)
+        shown = {k: metrics[k] for k in ("loss", "eval_loss", "eval_accuracy") if k in metrics}
+        self._bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()})
+        every = self.cfg.save_steps
+        if every > 0 and step % every == 0:
+            save_checkpoint(engine, self.cfg.output_dir, step, {"total_steps": self.total})
+
+    def finish(self, engine, model, prefix: str, plot, extra_config: dict | None = None) -> Path:
+        """Gather the full weights, save ``<output_dir>/model`` (HF folder + tokenizer), plot."""
+        from trainers.engine import full_state_dict, save_hf_model
+
+        self._bar.close()
+        sd = full_state_dict(engine, self.layout)
+        out = Path(self.cfg.output_dir) / "model"
+        if self.layout.is_main:
+            save_hf_model(model, self.tokenizer, sd, out, prefix, extra_config)
+            png = self.logger.close(plot_keys=plot, title=f"{self.kind}: {self.cfg.output_dir}")
+            self.print(f"model saved to {out}" + (f", plot {png}" if png else ""))
+        else:
+            self.logger.close()
+        if self.layout.world > 1:
+            dist.barrier()
+        return out
+
+    def print(self, message: str) -> None:
+        if self.layout.is_main:
+            print(message, file=sys.stderr, flush=True)
