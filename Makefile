@@ -6,8 +6,11 @@ STAMP   := $(VENV)/.installed
 # CPU machines take the local torch 2.13.0 CPU wheel; an unpinned torch would pull GBs of CUDA.
 CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,constraints-cpu.txt)
 PIP_C   := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
-DEPS    := setuptools wheel torch==2.13.0 triton transformers deepspeed pytest pytest-benchmark ruff matplotlib \
-           tqdm numpy ninja
+# deepspeed is pinned: AutoTP training (and ZeRO-3 with AutoTP, >= 0.19.4) changes quickly
+DEPS    := setuptools wheel torch==2.13.0 triton transformers==5.23.0 deepspeed==0.19.8 datasets \
+           tensorboard wandb pyyaml pytest pytest-benchmark ruff matplotlib tqdm numpy ninja
+# DeepSpeed compiles its CPU ops on first use: `trainers.prebuild` builds them once, at install
+# time, into $(VENV)/torch_extensions (where the trainers look), so runs and tests do not wait.
 PYTEST_ARGS ?=
 
 .PHONY: install test demo bench lint format clean
@@ -20,6 +23,7 @@ $(STAMP): setup.py pyproject.toml constraints-cpu.txt $(wildcard csrc/*)
 	$(BIN)/pip install -q $(PIP_C) --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import rlhf_kernels, torch; print('rlhf_kernels', rlhf_kernels.__version__, \
 	'torch', torch.__version__, 'native ext:', rlhf_kernels.has_native_ext())"
+	$(BIN)/python -m trainers.prebuild
 	touch $(STAMP)
 
 test: install

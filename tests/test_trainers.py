@@ -178,3 +178,168 @@ def assert_same_update(ref_dir: Path, got_dir: Path) -> None:
         step = (ref[k] - init[k]).norm()
         assert step > 0, f"{k} was not trained"
         assert (got[k] - ref[k]).norm() <= 0.01 * step, (k, (got[k] - ref[k]).norm(), step)
+
+
+@pytest.fixture(scope="module")
+def rm_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm-ref")
+    run_trainer("rm", SHORT, out)
+    return out
+
+
+RM_LAYOUTS = {
+    "no-packing": (1, ["--no-packing"]),
+    "ring2": (2, ["--ring-attn-size", "2", "--ring-layout", "contiguous"]),
+    "tp2-zero1": (2, ["--tp-size", "2", "--zero-stage", "1"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(RM_LAYOUTS))
+def test_rm_layouts_give_the_same_losses(name, rm_reference, tmp_path):
+    nproc, extra = RM_LAYOUTS[name]
+    run_trainer("rm", SHORT + extra, tmp_path, nproc=nproc)
+    assert_same_losses(losses(rm_reference), losses(tmp_path))
+    ref, got = metrics(rm_reference)[-1], metrics(tmp_path)[-1]
+    assert abs(ref["eval_accuracy"] - got["eval_accuracy"]) < 1e-9
+    assert abs(ref["eval_reward_mean"] - got["eval_reward_mean"]) < 1e-4
+
+
+# ----------------------------------------------------------------------------- resume
+@pytest.mark.slow
+def test_resume_after_a_crash_during_a_save_repeats_the_run(tmp_path):
+    args = SHORT[:]
+    args[args.index("--max-steps") + 1] = "6"
+    args += ["--save-steps", "3"]
+    run_trainer("sft", args, tmp_path)
+    full = metrics(tmp_path)
+    assert [m["step"] for m in full] == [1, 2, 3, 4, 5, 6]
+    ckpts = tmp_path / "checkpoints"
+    # the save of step 6 died midway: its folder never got committed, a partial one is left
+    shutil.rmtree(ckpts / "step-000006")
+    partial = ckpts / ".tmp-step-000006" / "engine"
+    partial.mkdir(parents=True)
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    proc = run_trainer("sft", args + ["--resume"], tmp_path)
+    assert "resumed from" in proc.stderr and "step 3" in proc.stderr
+    resumed = metrics(tmp_path)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full, resumed):
+        for key in ("loss", "lr", "grad_norm", "tokens"):
+            assert abs(a[key] - b[key]) <= 1e-6 * abs(a[key]), (key, a, b)
+    assert not (ckpts / ".tmp-step-000006").exists()
+    assert (ckpts / "step-000006" / "trainer_state.json").is_file()
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
+    from trainers.checkpoint import latest_checkpoint, save_checkpoint
+
+    class Engine:
+        def __init__(self, fail: bool):
+            self.fail = fail
+
+        def save_checkpoint(self, path, tag, save_latest):
+            (Path(path) / tag).mkdir()
+            (Path(path) / tag / "model.pt").write_bytes(b"half")
+            if self.fail:
+                raise OSError("disk full")
+
+    save_checkpoint(Engine(False), tmp_path, 3, {})
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(Engine(True), tmp_path, 6, {})
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-000003"
+    assert (tmp_path / "checkpoints" / ".tmp-step-000006").is_dir()  # ignored by resume
+    save_checkpoint(Engine(False), tmp_path, 9, {})  # the next save clears the leftovers
+    assert latest_checkpoint(tmp_path).name == "step-000009"
+    assert not (tmp_path / "checkpoints" / ".tmp-step-000006").exists()
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad(module: str, args: list[str], nproc: int = 1, out: Path | None = None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", f"trainers.{module}", *args]
+    if nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            f"trainers.{module}",
+            *args,
+        ]
+    if out is not None:
+        cmd += ["--output-dir", str(out)]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_clear_error_on_every_rank(tmp_path):
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    cases = {  # name -> (trainer, args, ranks, expected text)
+        "missing key": (
+            "sft",
+            ["--input-key", "question"],
+            1,
+            "--input-key 'question' is not a column",
+        ),
+        "unknown split": ("rm", ["--split", "test"], 1, "split"),
+        "ring size": (
+            "sft",
+            ["--ring-attn-size", "2"],
+            1,
+            "must divide the number of processes (1)",
+        ),
+        "long sample": (
+            "sft",
+            ["--micro-batch-tokens", "16"],
+            1,
+            "longer than --micro-batch-tokens 16",
+        ),
+        "output dir": ("sft", [], 1, "is not a writable folder"),
+        "template": ("sft", ["--input-template", "no slot"], 1, "must contain '{}'"),
+        "two ranks": ("rm", ["--chosen-key", "better"], 2, "--chosen-key 'better'"),
+        "tp size": ("sft", ["--tp-size", "3"], 3, "must divide the model's attention heads"),
+    }
+    t0 = time.perf_counter()
+    procs = {}
+    for name, (module, args, nproc, _) in cases.items():
+        out = a_file if name == "output dir" else tmp_path / name.replace(" ", "-")
+        procs[name] = _bad(module, args, nproc, out)
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        expected, nproc = cases[name][3], cases[name][2]
+        assert proc.returncode != 0, name
+        assert expected in err, (name, err[-3000:])
+        assert err.count(expected) >= nproc, (name, "every rank reports it", err[-3000:])
+        assert "[rank0]: Traceback" not in err, (name, err[-3000:])
+        if nproc == 1:
+            assert "Traceback" not in err, (name, err[-3000:])
+    assert time.perf_counter() - t0 < 240
+
+
+def test_help_documents_every_flag(capsys):
+    from trainers import rm, sft
+
+    wanted = """--model --dataset --dataset-probs --split --eval-dataset --eval-split --eval-ratio
+    --max-samples --input-key --output-key --input-template --apply-chat-template --max-len
+    --batch-size --micro-batch-tokens --no-packing --ring-attn-size --ring-layout --zero-stage
+    --offload --tp-size --dtype --lr --epochs --max-steps --seed --gradient-checkpointing
+    --output-dir --save-steps --eval-steps --resume --logger --config""".split()
+    for main, extra in (
+        (sft.main, []),
+        (rm.main, ["--chosen-key", "--rejected-key", "--prompt-key", "--margin-key"]),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        for flag in wanted + extra:
+            assert flag in text, flag

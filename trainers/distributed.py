@@ -116,3 +116,17 @@ def sum_across(values: list[float], layout: Layout, group=None) -> list[float]:
     if layout.world > 1:
         dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def peak_memory_mb(layout: Layout) -> float:
+    """Peak memory of the busiest rank, MiB: CUDA allocator peak, else the process's peak RSS."""
+    if layout.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(layout.device) / 2**20
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    t = torch.tensor([peak], dtype=torch.float64, device=layout.device)
+    if layout.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainers import common, data
 from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainers.distributed import Layout, init_distributed
+from trainers.distributed import Layout, init_distributed, peak_memory_mb
 
 DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl"}
 
@@ -40,8 +40,9 @@ class Session:
     @classmethod
     def start(cls, cfg, kind: str) -> Session:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from trainers.prebuild import use_prebuilt_ops
+
+        use_prebuilt_ops()
         try:
             layout = init_distributed(cfg.ring_attn_size, cfg.tp_size, cfg.timeout_s)
         except ValueError as e:
@@ -182,6 +183,7 @@ class Session:
         return step == self.total or (every > 0 and step % every == 0)
 
     def end_step(self, step: int, metrics: dict, engine) -> None:
+        metrics["peak_mem_mb"] = peak_memory_mb(self.layout)
         self.logger.log(metrics, step)
         shown = {k: metrics[k] for k in ("loss", "eval_loss", "eval_accuracy") if k in metrics}
         self._bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()})
