@@ -146,7 +146,8 @@ def sft_reference(tmp_path_factory):
 LAYOUTS = {
     "no-packing": (1, ["--no-packing"]),
     "dp2-zero2": (2, ["--zero-stage", "2"]),
-    "dp2-zero3": (2, ["--zero-stage", "3"]),
+    "dp2-zero3-checkpointing": (2, ["--zero-stage", "3", "--gradient-checkpointing"]),
+    "zero2-offload": (1, ["--zero-stage", "2", "--offload"]),
     "ring2": (2, ["--ring-attn-size", "2"]),
     "tp2": (2, ["--tp-size", "2"]),
 }

@@ -65,8 +65,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(engine, output_dir: str | os.PathLike, step: int, state: dict) -> Path:
-    """Collective: every rank calls it. Returns the committed folder."""
+def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: dict) -> Path:
+    """Collective: every rank calls it. ``engines``: one DeepSpeed engine, or ``{tag: engine}``
+    (PPO's actor and critic). Returns the committed folder."""
+    if not isinstance(engines, dict):
+        engines = {_TAG: engines}
     rank = dist.get_rank() if dist.is_initialized() else 0
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:06d}"
@@ -76,7 +79,8 @@ def save_checkpoint(engine, output_dir: str | os.PathLike, step: int, state: dic
             shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save
         tmp.mkdir(parents=True)
     _barrier()
-    engine.save_checkpoint(str(tmp), tag=_TAG, save_latest=False)
+    for tag, engine in engines.items():
+        engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()  # every rank's files are on disk
     if rank == 0:
@@ -88,13 +92,15 @@ def save_checkpoint(engine, output_dir: str | os.PathLike, step: int, state: dic
     return final
 
 
-def load_checkpoint(engine, path: Path) -> dict:
-    """Restore engine (model, optimizer, scheduler) and this rank's RNG; returns the trainer
-    state (``step`` and what the trainer saved)."""
+def load_checkpoint(engine, path: Path, tag: str = _TAG, rng: bool = True) -> dict:
+    """Restore ``engine`` (model, optimizer, scheduler) from ``tag`` and, with ``rng``, this
+    rank's RNG; returns the trainer state (``step`` and what the trainer saved)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    load_path, _ = engine.load_checkpoint(str(path), tag=_TAG)
+    load_path, _ = engine.load_checkpoint(str(path), tag=tag)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+        raise RuntimeError(f"DeepSpeed could not load {tag!r} from the checkpoint in {path}")
+    if not rng:
+        return json.loads((path / "trainer_state.json").read_text())
     rng = path / f"rng_rank{rank}.pt"
     if not rng.is_file():
         raise ValueError(

@@ -55,23 +55,26 @@ def lr_lambda(cfg, total_steps: int):
     return factor
 
 
-def build_engine(module: torch.nn.Module, cfg, layout: Layout, total_steps: int):
-    """``deepspeed.initialize`` with AdamW and the warm-up/cosine schedule."""
+def build_engine(module: torch.nn.Module, cfg, layout: Layout, total_steps: int,
+                 lr: float | None = None):
+    """``deepspeed.initialize`` with AdamW (``lr``, default ``cfg.lr``) and the warm-up/cosine
+    schedule."""
     import deepspeed
 
+    lr = cfg.lr if lr is None else lr
     if cfg.offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         opt = DeepSpeedCPUAdam(
             [p for p in module.parameters() if p.requires_grad],
-            lr=cfg.lr,
+            lr=lr,
             weight_decay=cfg.weight_decay,
             adamw_mode=True,
         )
     else:
         opt = torch.optim.AdamW(
             [p for p in module.parameters() if p.requires_grad],
-            lr=cfg.lr,
+            lr=lr,
             weight_decay=cfg.weight_decay,
         )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))

@@ -152,21 +152,6 @@ def evaluate(engine, pairs: list[Pair], cfg, layout, pad_id) -> dict:
     }
 
 
-def load_reward_backbone(session, cfg: RMConfig):
-    """``*ForSequenceClassification`` from the (causal LM) folder; a fresh ``score`` head is
-    initialised from ``--seed`` so every layout starts from the same weights."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = session._from_pretrained(AutoModelForSequenceClassification, num_labels=1)
-    model.config.pad_token_id = session.tokenizer.pad_token_id
-    if not getattr(model.config, "is_reward_model", False):
-        g = torch.Generator().manual_seed(cfg.seed)
-        w = model.score.weight
-        with torch.no_grad():
-            w.copy_(torch.randn(w.shape, generator=g) / math.sqrt(w.shape[1] + 1))
-    return model
-
-
 def train(cfg: RMConfig) -> dict:
     from trainers.modeling import RewardModel
     from trainers.session import Session
@@ -183,7 +168,7 @@ def train(cfg: RMConfig) -> dict:
         lambda rows: tokenize(rows, s.tokenizer, cfg),
         lengths=lambda p: len(p.chosen) + len(p.rejected),
     )
-    model = load_reward_backbone(s, cfg)
+    model = s.load_score_model()  # *ForSequenceClassification, seeded fresh score head
     engine, start = s.build(RewardModel(model), len(train_set))
     pad = s.tokenizer.pad_token_id
     metrics, last_eval = {}, {}

@@ -23,7 +23,8 @@ from trainers import common, data
 from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainers.distributed import Layout, init_distributed, peak_memory_mb
 
-DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl"}
+DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl", "ppo": "prompts_toy.jsonl"}
+DEFAULT_REWARD_FN = "trainers.rewards:reverse_reward"  # scores the bundled prompts' task
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Session:
     tokenizer: Any
     logger: Any
     total: int = 0
+    critic: Any = None  # a second engine saved in checkpoints (PPO's critic)
 
     # ------------------------------------------------------------------------- start
     @classmethod
@@ -126,6 +128,83 @@ class Session:
         )
         return train, evals
 
+    def load_prompts(self):
+        """PPO: prompt rows for training and held-out evaluation (no tokenization up front);
+        prompts longer than ``--max-len`` tokens are an error naming the row."""
+        cfg = self.cfg
+        try:
+            path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
+            rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
+            data.check_keys(rows, {"--input-key": cfg.input_key}, "prompt dataset")
+            eval_rows = None
+            if cfg.eval_dataset:
+                eval_rows = data.load_mixture(cfg.eval_dataset, None, cfg.eval_split, cfg.seed,
+                                              None)
+                data.check_keys(eval_rows, {"--input-key": cfg.input_key}, "evaluation dataset")
+            rows, eval_rows = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+            rows = [dict(r) for r in rows]
+            eval_rows = [dict(r) for r in eval_rows] if eval_rows is not None else []
+            for i, row in enumerate(rows + eval_rows):
+                n = len(data.render_prompt(self.tokenizer, row[cfg.input_key], cfg.input_template,
+                                           cfg.apply_chat_template))
+                if n > cfg.max_len:
+                    raise ValueError(f"prompt #{i} has {n} tokens, more than --max-len "
+                                     f"{cfg.max_len}")
+                if n + cfg.max_new_tokens > cfg.micro_batch_tokens:
+                    raise ValueError(f"prompt #{i} ({n} tokens) + --max-new-tokens "
+                                     f"{cfg.max_new_tokens} exceed --micro-batch-tokens "
+                                     f"{cfg.micro_batch_tokens}")
+            if cfg.rollout_batch_size % self.layout.dp:
+                raise ValueError(f"--rollout-batch-size {cfg.rollout_batch_size} must be a "
+                                 f"multiple of the data-parallel size {self.layout.dp}")
+            if len(rows) < cfg.rollout_batch_size:
+                raise ValueError(f"--rollout-batch-size {cfg.rollout_batch_size} is larger than "
+                                 f"the {len(rows)} training prompts")
+            self.total = cfg.max_steps or len(rows) // cfg.rollout_batch_size * cfg.epochs
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            common.fail(str(e).strip("'\""))
+        self.print(f"{len(rows)} prompts / {len(eval_rows)} held out, {self.total} steps of "
+                   f"{cfg.rollout_batch_size} x {cfg.n_samples_per_prompt} rollouts on "
+                   f"{self.layout.world} rank(s) (dp {self.layout.dp} x tp {self.layout.tp})")
+        return rows, eval_rows
+
+    def load_reward(self):
+        """The reward function (callable) or the reward model (eval, no grad)."""
+        cfg = self.cfg
+        if cfg.reward_model:
+            from transformers import AutoConfig, AutoModelForSequenceClassification
+
+            try:
+                rcfg = AutoConfig.from_pretrained(cfg.reward_model)
+            except (OSError, ValueError) as e:
+                common.fail(f"--reward-model {cfg.reward_model!r} is not a model folder: {e}")
+            archs = getattr(rcfg, "architectures", None) or []
+            if not (getattr(rcfg, "is_reward_model", False) or (
+                    getattr(rcfg, "num_labels", 0) == 1
+                    and any(a.endswith("ForSequenceClassification") for a in archs))):
+                common.fail(
+                    f"--reward-model {cfg.reward_model!r} is not a reward model (expected a "
+                    f"*ForSequenceClassification with one label, as saved by trainers.rm; got "
+                    f"architectures {archs})"
+                )
+            from rlhf_kernels.integrations.hf import register
+
+            model = AutoModelForSequenceClassification.from_pretrained(
+                cfg.reward_model, attn_implementation=register(), dtype=torch.float32
+            )
+            return model.to(self.layout.device).eval().requires_grad_(False)
+        from trainers import rewards
+
+        spec = cfg.reward_fn
+        if spec is None:
+            if cfg.dataset is not None:
+                common.fail("give --reward-fn module:function or --reward-model for your data")
+            spec = DEFAULT_REWARD_FN
+        try:
+            return rewards.load_reward_fn(spec)
+        except ValueError as e:
+            common.fail(str(e))
+
     # ------------------------------------------------------------------------- models
     def _from_pretrained(self, auto_cls, **kwargs):
         from rlhf_kernels.integrations.hf import register
@@ -146,6 +225,38 @@ class Session:
         from transformers import AutoModelForCausalLM
 
         return self._from_pretrained(AutoModelForCausalLM)
+
+    def load_score_model(self, path: str | None = None):
+        """``*ForSequenceClassification`` (one label) from a causal LM or reward-model folder.
+        A fresh ``score`` head is initialised from ``--seed``, so every layout starts from the
+        same weights."""
+        import math
+
+        from transformers import AutoModelForSequenceClassification
+
+        saved = self.model_path
+        self.model_path = path or saved
+        try:
+            model = self._from_pretrained(AutoModelForSequenceClassification, num_labels=1)
+        finally:
+            self.model_path = saved
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        if not getattr(model.config, "is_reward_model", False):
+            g = torch.Generator().manual_seed(self.cfg.seed)
+            w = model.score.weight
+            with torch.no_grad():
+                w.copy_(torch.randn(w.shape, generator=g) / math.sqrt(w.shape[1] + 1))
+        return model
+
+    def build_critic(self, module: torch.nn.Module):
+        """PPO's critic engine (``--critic-lr``), saved and resumed with the actor."""
+        from trainers.engine import build_engine
+
+        self.critic = build_engine(module, self.cfg, self.layout, self.total,
+                                   lr=self.cfg.critic_lr)
+        if self.cfg.resume and (ckpt := latest_checkpoint(self.cfg.output_dir)) is not None:
+            load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
+        return self.critic
 
     def build(self, module: torch.nn.Module, n_train: int):
         """DeepSpeed engine; with ``--resume`` restored from the newest checkpoint.
@@ -182,14 +293,25 @@ class Session:
         every = self.cfg.eval_steps
         return step == self.total or (every > 0 and step % every == 0)
 
-    def end_step(self, step: int, metrics: dict, engine) -> None:
+    def end_step(self, step: int, metrics: dict, engine,
+                 show=("loss", "eval_loss", "eval_accuracy")) -> None:
         metrics["peak_mem_mb"] = peak_memory_mb(self.layout)
         self.logger.log(metrics, step)
-        shown = {k: metrics[k] for k in ("loss", "eval_loss", "eval_accuracy") if k in metrics}
-        self._bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()})
+        self._bar.set_postfix({k: f"{metrics[k]:.4f}" for k in show if k in metrics})
         every = self.cfg.save_steps
         if every > 0 and step % every == 0:
-            save_checkpoint(engine, self.cfg.output_dir, step, {"total_steps": self.total})
+            engines = {"engine": engine}
+            if self.critic is not None:
+                engines["critic"] = self.critic
+            save_checkpoint(engines, self.cfg.output_dir, step, {"total_steps": self.total})
+
+    def sample_line(self, step: int, text, reward: float) -> None:
+        """Show one rollout under the progress bar now and then (rank 0)."""
+        every = max(1, self.total // 6)
+        if step == 1 or step % every == 0 or step == self.total:
+            row, response = text
+            self._bar.write(f"step {step}: {row[self.cfg.input_key]!r} -> {response!r} "
+                            f"(reward {reward:.2f})")
 
     def finish(self, engine, model, prefix: str, plot, extra_config: dict | None = None) -> Path:
         """Gather the full weights, save ``<output_dir>/model`` (HF folder + tokenizer), plot."""

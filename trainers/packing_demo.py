@@ -1,4 +1,4 @@
-"""``make demo``: the same tiny Llama trained with sample packing and with ordinary padding.
+"""``python -m trainers.packing_demo``: one tiny Llama trained with packing and with padding.
 
 Both runs start from the same weights and see the same samples in the same micro-batches:
 
@@ -128,7 +128,7 @@ def loss_differences(packed: RunStats, padded: RunStats) -> list[float]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m trainers.demo",
+        prog="python -m trainers.packing_demo",
         description="Train a tiny Llama on a bundled toy corpus twice from the same weights: "
         "packed through rlhf_kernels' varlen attention and padded through SDPA. "
         "Prints tokens/s, padding fraction and per-step loss difference; exits 1 "

@@ -1,6 +1,6 @@
 import pytest
 
-from trainers import demo
+from trainers import packing_demo as demo
 
 
 def test_demo_packed_and_padded_losses_agree(capsys):
