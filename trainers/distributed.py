@@ -107,7 +107,7 @@ def all_ranks_ok(ok: bool, message: str, layout: Layout | None) -> None:
     bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
     if bad:
         r, m = bad[0]
-        raise ValueError(m if r == layout.rank or ok is False else f"rank {r}: {m}")
+        raise ValueError(f"{m} (on rank {r})")
 
 
 def sum_across(values: list[float], layout: Layout, group=None) -> list[float]:

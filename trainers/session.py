@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainers import common, data
 from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainers.distributed import Layout, init_distributed, peak_memory_mb
+from trainers.distributed import Layout, all_ranks_ok, init_distributed, peak_memory_mb
 
 DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl", "ppo": "prompts_toy.jsonl"}
 DEFAULT_REWARD_FN = "trainers.rewards:reverse_reward"  # scores the bundled prompts' task
@@ -138,34 +138,50 @@ class Session:
             data.check_keys(rows, {"--input-key": cfg.input_key}, "prompt dataset")
             eval_rows = None
             if cfg.eval_dataset:
-                eval_rows = data.load_mixture(cfg.eval_dataset, None, cfg.eval_split, cfg.seed,
-                                              None)
+                eval_rows = data.load_mixture(
+                    cfg.eval_dataset, None, cfg.eval_split, cfg.seed, None
+                )
                 data.check_keys(eval_rows, {"--input-key": cfg.input_key}, "evaluation dataset")
             rows, eval_rows = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
             rows = [dict(r) for r in rows]
             eval_rows = [dict(r) for r in eval_rows] if eval_rows is not None else []
             for i, row in enumerate(rows + eval_rows):
-                n = len(data.render_prompt(self.tokenizer, row[cfg.input_key], cfg.input_template,
-                                           cfg.apply_chat_template))
+                n = len(
+                    data.render_prompt(
+                        self.tokenizer,
+                        row[cfg.input_key],
+                        cfg.input_template,
+                        cfg.apply_chat_template,
+                    )
+                )
                 if n > cfg.max_len:
-                    raise ValueError(f"prompt #{i} has {n} tokens, more than --max-len "
-                                     f"{cfg.max_len}")
+                    raise ValueError(
+                        f"prompt #{i} has {n} tokens, more than --max-len {cfg.max_len}"
+                    )
                 if n + cfg.max_new_tokens > cfg.micro_batch_tokens:
-                    raise ValueError(f"prompt #{i} ({n} tokens) + --max-new-tokens "
-                                     f"{cfg.max_new_tokens} exceed --micro-batch-tokens "
-                                     f"{cfg.micro_batch_tokens}")
+                    raise ValueError(
+                        f"prompt #{i} ({n} tokens) + --max-new-tokens "
+                        f"{cfg.max_new_tokens} exceed --micro-batch-tokens "
+                        f"{cfg.micro_batch_tokens}"
+                    )
             if cfg.rollout_batch_size % self.layout.dp:
-                raise ValueError(f"--rollout-batch-size {cfg.rollout_batch_size} must be a "
-                                 f"multiple of the data-parallel size {self.layout.dp}")
+                raise ValueError(
+                    f"--rollout-batch-size {cfg.rollout_batch_size} must be a "
+                    f"multiple of the data-parallel size {self.layout.dp}"
+                )
             if len(rows) < cfg.rollout_batch_size:
-                raise ValueError(f"--rollout-batch-size {cfg.rollout_batch_size} is larger than "
-                                 f"the {len(rows)} training prompts")
+                raise ValueError(
+                    f"--rollout-batch-size {cfg.rollout_batch_size} is larger than "
+                    f"the {len(rows)} training prompts"
+                )
             self.total = cfg.max_steps or len(rows) // cfg.rollout_batch_size * cfg.epochs
         except (ValueError, KeyError, FileNotFoundError) as e:
             common.fail(str(e).strip("'\""))
-        self.print(f"{len(rows)} prompts / {len(eval_rows)} held out, {self.total} steps of "
-                   f"{cfg.rollout_batch_size} x {cfg.n_samples_per_prompt} rollouts on "
-                   f"{self.layout.world} rank(s) (dp {self.layout.dp} x tp {self.layout.tp})")
+        self.print(
+            f"{len(rows)} prompts / {len(eval_rows)} held out, {self.total} steps of "
+            f"{cfg.rollout_batch_size} x {cfg.n_samples_per_prompt} rollouts on "
+            f"{self.layout.world} rank(s) (dp {self.layout.dp} x tp {self.layout.tp})"
+        )
         return rows, eval_rows
 
     def load_reward(self):
@@ -179,9 +195,13 @@ class Session:
             except (OSError, ValueError) as e:
                 common.fail(f"--reward-model {cfg.reward_model!r} is not a model folder: {e}")
             archs = getattr(rcfg, "architectures", None) or []
-            if not (getattr(rcfg, "is_reward_model", False) or (
+            if not (
+                getattr(rcfg, "is_reward_model", False)
+                or (
                     getattr(rcfg, "num_labels", 0) == 1
-                    and any(a.endswith("ForSequenceClassification") for a in archs))):
+                    and any(a.endswith("ForSequenceClassification") for a in archs)
+                )
+            ):
                 common.fail(
                     f"--reward-model {cfg.reward_model!r} is not a reward model (expected a "
                     f"*ForSequenceClassification with one label, as saved by trainers.rm; got "
@@ -252,8 +272,7 @@ class Session:
         """PPO's critic engine (``--critic-lr``), saved and resumed with the actor."""
         from trainers.engine import build_engine
 
-        self.critic = build_engine(module, self.cfg, self.layout, self.total,
-                                   lr=self.cfg.critic_lr)
+        self.critic = build_engine(module, self.cfg, self.layout, self.total, lr=self.cfg.critic_lr)
         if self.cfg.resume and (ckpt := latest_checkpoint(self.cfg.output_dir)) is not None:
             load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
         return self.critic
@@ -293,8 +312,9 @@ class Session:
         every = self.cfg.eval_steps
         return step == self.total or (every > 0 and step % every == 0)
 
-    def end_step(self, step: int, metrics: dict, engine,
-                 show=("loss", "eval_loss", "eval_accuracy")) -> None:
+    def end_step(
+        self, step: int, metrics: dict, engine, show=("loss", "eval_loss", "eval_accuracy")
+    ) -> None:
         metrics["peak_mem_mb"] = peak_memory_mb(self.layout)
         self.logger.log(metrics, step)
         self._bar.set_postfix({k: f"{metrics[k]:.4f}" for k in show if k in metrics})
@@ -310,8 +330,9 @@ class Session:
         every = max(1, self.total // 6)
         if step == 1 or step % every == 0 or step == self.total:
             row, response = text
-            self._bar.write(f"step {step}: {row[self.cfg.input_key]!r} -> {response!r} "
-                            f"(reward {reward:.2f})")
+            self._bar.write(
+                f"step {step}: {row[self.cfg.input_key]!r} -> {response!r} (reward {reward:.2f})"
+            )
 
     def finish(self, engine, model, prefix: str, plot, extra_config: dict | None = None) -> Path:
         """Gather the full weights, save ``<output_dir>/model`` (HF folder + tokenizer), plot."""
@@ -328,6 +349,20 @@ class Session:
             self.logger.close()
         if self.layout.world > 1:
             dist.barrier()
+        return out
+
+    def on_every_rank(self, fn, *args):
+        """``fn(*args)``; a ValueError on any rank ends every rank with that one error line
+        (a reward function that raises or breaks its contract on one rank stops them all)."""
+        problem = ""
+        try:
+            out = fn(*args)
+        except ValueError as e:
+            problem, out = str(e), None
+        try:
+            all_ranks_ok(not problem, problem, self.layout)
+        except ValueError as e:
+            common.fail(str(e))
         return out
 
     def print(self, message: str) -> None:

@@ -1,0 +1,278 @@
+"""PPO trainer pieces (rewards, rollouts) in-process, and the trainer as a program: every
+advantage estimator runs, data parallelism reproduces the first step, bad input is one error."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from test_trainers import ROOT, _bad, metrics, run_trainer
+
+from trainers import rewards
+
+pytest.importorskip("deepspeed")
+
+FAST = [
+    "--max-steps",
+    "2",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "2",
+    "--max-new-tokens",
+    "6",
+    "--batch-size",
+    "8",
+    "--logger",
+    "none",
+    "--eval-ratio",
+    "0.01",
+    "--seed",
+    "1",
+]
+
+
+# ----------------------------------------------------------------------------- rewards
+def test_reverse_and_letters_rewards():
+    got = rewards.reverse_reward(None, ["dcba", "dcbx", "dc", "", " dcba \n"], ["dcba"] * 5)
+    assert got == [1.0, 0.75, 0.5, 0.0, 1.0]
+    assert rewards.reverse_reward(None, ["dcbaaa"], ["dcba"]) == [4 / 6]
+    # same letters in the wrong order: half credit from the multiset overlap
+    assert rewards.letters_reward(None, ["abcd", "dcba", "zzzz"], ["dcba"] * 3) == [0.5, 1.0, 0.0]
+
+
+def _ok(prompts, responses, **_):
+    return [1.0] * len(responses)
+
+
+def test_score_checks_the_contract():
+    assert rewards.score(_ok, "f", ["p"], ["a", "b"], {}) == [1.0, 1.0]
+    assert rewards.score(lambda **k: torch.tensor([0.5]), "t", ["p"], ["a"], {}) == [0.5]
+    cases = {
+        "returned 1 rewards for 2 responses": lambda **k: [1.0],
+        "returned None for response #0": lambda **k: [None, 1.0],
+        "returned nan for response #1": lambda **k: [1.0, math.nan],
+        "raised ZeroDivisionError": lambda **k: 1 / 0,
+        "must return a sequence": lambda **k: 3.0,
+    }
+    for text, fn in cases.items():
+        with pytest.raises(ValueError, match="reward function my.fn") as e:
+            rewards.score(fn, "my.fn", ["p", "q"], ["a", "b"], {})
+        assert text in str(e.value)
+    seen = {}
+    rewards.score(
+        lambda **k: seen.update(k) or [0, 0], "f", ["p", "q"], ["a", "b"], {"target": ["x", "y"]}
+    )
+    assert seen == {"prompts": ["p", "q"], "responses": ["a", "b"], "target": ["x", "y"]}
+
+
+def test_load_reward_fn_errors_name_the_spec():
+    assert rewards.load_reward_fn("trainers.rewards:reverse_reward") is rewards.reverse_reward
+    for spec, text in (
+        ("nocolon", "module:function"),
+        ("no_such_mod:f", "cannot import"),
+        ("trainers.rewards:nope", "has no 'nope'"),
+        ("trainers.rewards:math", "not callable"),
+    ):
+        with pytest.raises(ValueError, match=text):
+            rewards.load_reward_fn(spec)
+
+
+# ----------------------------------------------------------------------------- rollouts
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_kernels.integrations.hf import register
+    from trainers.tiny import ensure_tiny
+
+    path = ensure_tiny()
+    tok = AutoTokenizer.from_pretrained(path)
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation=register())
+    sdpa = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    return tok, ours, sdpa
+
+
+def test_generation_counts_seeds_and_greedy_agreement(tiny):
+    from trainers.rollout import HFGenerationEngine, cut_at_eos
+
+    tok, ours, sdpa = tiny
+    prompts = [tok("reverse: abc").input_ids, tok("sort: dcba and more").input_ids]
+    gen = HFGenerationEngine(ours, tok, batch_size=3)
+    state = torch.get_rng_state()
+    a = gen.generate(prompts, n_samples=3, max_new_tokens=5, seed=7)
+    assert torch.equal(state, torch.get_rng_state())  # the caller's RNG is untouched
+    assert len(a) == 6 and all(1 <= len(r) <= 5 for r in a)
+    assert all(r[-1] == tok.eos_token_id or len(r) == 5 for r in a)
+    assert all(tok.pad_token_id not in r for r in a)
+    assert a == gen.generate(prompts, n_samples=3, max_new_tokens=5, seed=7)
+    assert a != gen.generate(prompts, n_samples=3, max_new_tokens=5, seed=8)
+    greedy = gen.generate(prompts, n_samples=1, max_new_tokens=8, greedy=True)
+    ref = HFGenerationEngine(sdpa, tok).generate(
+        prompts, n_samples=1, max_new_tokens=8, greedy=True
+    )
+    assert greedy == ref
+    assert cut_at_eos([5, 6, 1, 7, 1], 1) == [5, 6, 1] and cut_at_eos([5, 6], 1) == [5, 6]
+    with pytest.raises(ValueError, match="top_p"):
+        gen.generate(prompts, n_samples=1, max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="non-empty"):
+        gen.generate([[]], n_samples=1, max_new_tokens=2)
+
+
+def test_action_logprobs_match_the_model(tiny):
+    """The experience's log-probs are those of the sampled response tokens under the model."""
+    from trainers import ppo
+    from trainers.distributed import Layout
+    from trainers.rollout import HFGenerationEngine
+
+    tok, ours, _ = tiny
+    prompt = tok("reverse: hello").input_ids
+    outs = HFGenerationEngine(ours, tok).generate([prompt], n_samples=3, max_new_tokens=6, seed=1)
+    samples = [ppo.Sample(torch.tensor(prompt + r), len(prompt)) for r in outs]
+    layout = Layout(1, 0, 1, 1, 1, torch.device("cpu"))
+    with torch.no_grad():
+        logp, ent = ppo.Actor(ours, 1.0)(samples, layout)
+        ref = []
+        for s in samples:
+            lp = ours(s.ids[None]).logits[0].float().log_softmax(-1)
+            ref.append(lp[s.n_prompt - 1 : -1].gather(-1, s.ids[s.n_prompt :, None])[:, 0])
+    assert torch.allclose(logp, torch.cat(ref), atol=1e-4)
+    assert logp.shape == ent.shape == (sum(s.n_act for s in samples),)
+
+
+# ----------------------------------------------------------------------------- the program
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "estimator", ["gae", "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo"]
+)
+def test_every_advantage_estimator_trains(estimator, tmp_path):
+    extra = ["--kl-coef", "0.01"] + (
+        ["--kl-in-loss", "--dual-clip", "3"] if estimator == "rloo" else []
+    )
+    run_trainer("ppo", FAST + ["--advantage-estimator", estimator, *extra], tmp_path)
+    m = metrics(tmp_path)
+    assert [x["step"] for x in m] == [1, 2]
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "response_length",
+        "kl",
+        "entropy",
+        "clip_fraction",
+        "approx_kl",
+        "policy_loss",
+        "advantage_mean",
+        "tokens_per_s",
+        "rollout_s",
+        "train_s",
+        "peak_mem_mb",
+        "eval_reward",
+    ):
+        assert key in m[0] or key in m[-1], key
+    assert all(math.isfinite(x["policy_loss"]) for x in m)
+    if estimator == "gae":
+        assert all(math.isfinite(x["value_loss"]) for x in m)
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_data_parallel_reproduces_the_first_step(tmp_path):
+    """Prompts are seeded individually, so 2 ranks generate the rollouts of 1 rank."""
+    run_trainer("ppo", FAST, tmp_path / "one")
+    run_trainer("ppo", FAST + ["--zero-stage", "2"], tmp_path / "two", nproc=2)
+    a, b = metrics(tmp_path / "one")[0], metrics(tmp_path / "two")[0]
+    for key in ("reward_mean", "response_length", "policy_loss", "entropy", "kl", "grad_norm"):
+        assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-6), (key, a[key], b[key])
+    assert all(math.isfinite(x["reward_mean"]) for x in metrics(tmp_path / "two"))
+
+
+@pytest.mark.slow
+def test_ppo_bad_input_is_one_clear_error(tmp_path):
+    mod = tmp_path / "my_rewards.py"
+    mod.write_text(
+        textwrap.dedent("""
+        def boom(prompts, responses, **_):
+            raise RuntimeError("reward server down")
+
+        def short(prompts, responses, **_):
+            return [0.0]
+    """)
+    )
+    from trainers.tiny import ensure_tiny
+
+    cases = {
+        "one sample per prompt": (
+            ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "1"],
+            1,
+            "needs --n-samples",
+        ),
+        "raising reward": (["--reward-fn", "my_rewards:boom"], 2, "raised RuntimeError"),
+        "wrong count": (["--reward-fn", "my_rewards:short"], 1, "returned 1 rewards"),
+        "not a reward model": (["--reward-model", ensure_tiny()], 1, "is not a reward model"),
+        "long prompt": (["--max-len", "3"], 1, "more than --max-len 3"),
+    }
+    t0 = time.perf_counter()
+    procs = {}
+    for name, (args, nproc, _) in cases.items():
+        procs[name] = _bad(
+            "ppo", FAST + args, nproc, tmp_path / name.replace(" ", "-"), pythonpath=tmp_path
+        )
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        args, nproc, expected = cases[name]
+        assert proc.returncode != 0, name
+        assert err.count(expected) >= nproc, (name, err[-3000:])
+        assert "[rank0]: Traceback" not in err, (name, err[-3000:])
+    assert time.perf_counter() - t0 < 240
+
+
+def test_ppo_help_lists_the_rl_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "trainers.ppo", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for flag in (
+        "--reward-model",
+        "--reward-fn",
+        "--critic-model",
+        "--advantage-estimator",
+        "--n-samples-per-prompt",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-p",
+        "--rollout-batch-size",
+        "--ppo-epochs",
+        "--kl-coef",
+        "--kl-estimator",
+        "--kl-in-loss",
+        "--clip-low",
+        "--clip-high",
+        "--dual-clip",
+        "--entropy-coef",
+        "--rollout-distribution",
+        "--zero-stage",
+        "--tp-size",
+    ):
+        assert flag in out, flag
+
+
+@pytest.mark.slow
+def test_reward_model_from_trainers_rm_scores_rollouts(tmp_path):
+    """A reward model saved by trainers.rm loads by path and scores the rollouts (normalised
+    by its saved reward_mean / reward_std)."""
+    from test_trainers import SHORT
+
+    run_trainer("rm", SHORT, tmp_path / "rm")
+    run_trainer("ppo", FAST + ["--reward-model", str(tmp_path / "rm" / "model")], tmp_path / "p")
+    m = metrics(tmp_path / "p")
+    assert len(m) == 2 and all(math.isfinite(x["reward_mean"]) for x in m)
+    assert m[0]["reward_std"] > 0  # real scores, not a constant

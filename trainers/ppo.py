@@ -1,0 +1,459 @@
+"""PPO / GRPO / REINFORCE++: ``python -m trainers.ppo`` or ``torchrun ... -m trainers.ppo``.
+
+One step = one rollout batch: ``--rollout-batch-size`` prompts (split over data-parallel ranks)
+x ``--n-samples-per-prompt`` responses from the actor, scored by a reward function or a reward
+model, turned into packed experience (old / reference log-probs through ``linear_logprobs``,
+critic values, KL, advantages through ``gae`` / ``discounted_returns`` / ``group_advantages``),
+then ``--ppo-epochs`` passes of clipped policy (and value) updates on token-budget micro-batches.
+Every per-token tensor lives on the *actions* (response tokens) of each sample, packed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rlhf_kernels.ops.advantages import group_advantages, whiten
+from rlhf_kernels.ops.gae import discounted_returns, gae
+from rlhf_kernels.ops.linear_logprobs import linear_logprobs
+from rlhf_kernels.ops.losses import kl_penalty, policy_loss, value_loss
+from rlhf_kernels.packing import plan_micro_batches
+from trainers import common, rewards
+from trainers.config import TrainConfig
+from trainers.distributed import Layout, sum_across
+from trainers.engine import accumulate, optimizer_step
+
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
+
+
+def _f(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class PPOConfig(TrainConfig):
+    reward_model: str | None = _f(None, "reward model folder saved by trainers.rm")
+    reward_fn: str | None = _f(
+        None,
+        "reward function 'module:function' called with prompts=, responses= and the dataset's "
+        "other columns, returning one float per response (default for the bundled prompts: "
+        "trainers.rewards:reverse_reward)",
+    )
+    critic_model: str | None = _f(None, "critic initialisation (default: --model); gae only")
+    advantage_estimator: str = _f(
+        "grpo", "advantages", choices=("gae", "reinforce", *GROUP_ESTIMATORS)
+    )
+    n_samples_per_prompt: int = _f(4, "responses per prompt (group size)")
+    max_new_tokens: int = _f(12, "longest response")
+    temperature: float = _f(1.0, "sampling temperature (also divides the training logits)")
+    top_p: float = _f(1.0, "nucleus sampling")
+    rollout_batch_size: int = _f(16, "prompts per step, over all data-parallel ranks")
+    ppo_epochs: int = _f(1, "update passes over each rollout batch")
+    kl_coef: float = _f(0.0, "KL(actor || reference) coefficient")
+    kl_estimator: str = _f("k3", "per-token KL estimator", choices=("k1", "k2", "k3"))
+    kl_in_loss: bool = _f(False, "add the KL to the loss instead of subtracting it from rewards")
+    clip_low: float = _f(0.2, "ratio clip below 1 (eps_clip)")
+    clip_high: float = _f(0.2, "ratio clip above 1 (clip-higher when larger than --clip-low)")
+    dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages")
+    entropy_coef: float = _f(0.0, "entropy bonus")
+    value_clip: float = _f(0.2, "value clipping around the rollout values (gae)")
+    gamma: float = _f(1.0, "discount")
+    lam: float = _f(0.95, "GAE lambda")
+    critic_lr: float = _f(1e-3, "critic learning rate (gae)")
+    rollout_distribution: str = _f(
+        "scatter", "how ring ranks get rollouts (ring attention)", choices=("scatter", "broadcast")
+    )
+    # PPO defaults differ from SFT's
+    batch_size: int = _f(64, "rollout samples per optimizer step (all ranks together)")
+    input_key: str = _f("prompt", "column holding the prompt")
+    eval_ratio: float = _f(0.02, "held-out prompts, evaluated with greedy decoding")
+    lr: float = _f(2e-3, "actor AdamW learning rate")
+    lr_scheduler: str = _f("constant", "decay after warm-up", choices=("cosine", "constant"))
+    max_steps: int | None = _f(12, "rollout steps (default 12; None: one pass over the prompts)")
+    max_len: int = _f(128, "longest prompt in tokens")
+    output_dir: str = _f("runs/ppo", "metrics.jsonl, TensorBoard, plot, checkpoints, model")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.advantage_estimator in ("rloo", "grpo") and self.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"--advantage-estimator {self.advantage_estimator} compares the responses of one "
+                f"prompt: it needs --n-samples-per-prompt >= 2, got {self.n_samples_per_prompt}"
+            )
+        for name in ("n_samples_per_prompt", "max_new_tokens", "rollout_batch_size", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if (self.rollout_batch_size * self.n_samples_per_prompt) % self.batch_size:
+            raise ValueError(
+                f"--batch-size ({self.batch_size}) must divide the rollout samples per step "
+                f"(--rollout-batch-size x --n-samples-per-prompt = "
+                f"{self.rollout_batch_size * self.n_samples_per_prompt})"
+            )
+        if self.reward_fn and self.reward_model:
+            raise ValueError("give --reward-fn or --reward-model, not both")
+        if self.ring_attn_size > 1:
+            raise ValueError("trainers.ppo does not run ring attention yet (--ring-attn-size 1)")
+
+
+@dataclass
+class Sample:
+    """One response and its experience; per-token tensors are over its actions (responses)."""
+
+    ids: torch.Tensor  # (n,) prompt + response
+    n_prompt: int
+    reward: float = 0.0
+    old_logp: torch.Tensor | None = None  # (n_act,)
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def n_act(self) -> int:
+        return len(self.ids) - self.n_prompt
+
+    def targets(self) -> torch.Tensor:
+        """``(n,)`` next-token targets: the response tokens, -100 elsewhere."""
+        out = torch.full_like(self.ids, -100)
+        out[self.n_prompt - 1 : -1] = self.ids[self.n_prompt :]
+        return out
+
+
+# ----------------------------------------------------------------------------- forwards
+def action_hidden(model, samples: list[Sample], layout: Layout):
+    """Final hidden states at the action positions of a packed micro-batch: ``(n_act, H)``
+    and the ``(n_act,)`` action token ids, samples in order."""
+    from trainers.modeling import base_model
+
+    mb, extras, _ = common.packed_inputs(
+        [s.ids for s in samples], {"t": [s.targets() for s in samples]}, None, layout
+    )
+    out = base_model(model)(**mb.inputs, use_cache=False).last_hidden_state[0]
+    sel = extras["t"].to(out.device) != -100
+    return out[sel], extras["t"].to(out.device)[sel]
+
+
+def head(model):
+    return model.get_output_embeddings()
+
+
+def split(x: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:
+    return list(torch.split(x.detach().float().cpu(), [s.n_act for s in samples]))
+
+
+class TokenCritic(torch.nn.Module):
+    """Per-token values: the reward-model architecture's ``score`` head on every position."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, samples: list[Sample], layout: Layout) -> torch.Tensor:
+        h, _ = action_hidden(self.model, samples, layout)
+        return self.model.score(h).squeeze(-1).float()
+
+
+class Actor(torch.nn.Module):
+    """Action log-probs and entropy of the causal LM (lm_head fused with the log-softmax)."""
+
+    def __init__(self, lm, temperature: float):
+        super().__init__()
+        self.lm, self.temperature = lm, temperature
+        from trainers.modeling import _register_external
+
+        _register_external(self, list(head(lm).parameters()))
+
+    def forward(self, samples: list[Sample], layout: Layout):
+        h, labels = action_hidden(self.lm, samples, layout)
+        w = head(self.lm)
+        return linear_logprobs(h, w.weight, labels, w.bias, self.temperature, return_entropy=True)
+
+
+# ----------------------------------------------------------------------------- rollouts
+def generate(gen, tokenizer, rows, cfg: PPOConfig, step: int, first_index: int, greedy=False):
+    """Responses for ``rows`` (this rank's prompts): seeded per prompt, so a prompt gets the same
+    responses whichever rank generates it."""
+    from trainers.data import render_prompt
+
+    samples, texts = [], []
+    for i, row in enumerate(rows):
+        p = render_prompt(
+            tokenizer, row[cfg.input_key], cfg.input_template, cfg.apply_chat_template
+        )
+        outs = gen.generate(
+            [p],
+            n_samples=1 if greedy else cfg.n_samples_per_prompt,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            greedy=greedy,
+            seed=cfg.seed * 1_000_003 + step * 10_007 + first_index + i,
+        )
+        for r in outs:
+            samples.append(Sample(torch.tensor(p + r), len(p)))
+            texts.append((row, tokenizer.decode(r, skip_special_tokens=True)))
+    return samples, texts
+
+
+def score(reward, tokenizer, samples, texts, cfg: PPOConfig, layout: Layout) -> None:
+    """Fill ``sample.reward`` from the reward function or reward model."""
+    if not samples:
+        return
+    if not isinstance(reward, torch.nn.Module):  # a reward function
+        cols = [k for k in texts[0][0] if k != cfg.input_key] if texts else []
+        vals = rewards.score(
+            reward,
+            cfg.reward_fn or "trainers.rewards:reverse_reward",
+            [row[cfg.input_key] for row, _ in texts],
+            [t for _, t in texts],
+            {k: [row[k] for row, _ in texts] for k in cols},
+        )
+    else:  # a reward model: value at each sequence's last token, normalised by its stats
+        from trainers.modeling import RewardModel
+
+        with torch.no_grad():
+            mb, _, packed = common.packed_inputs([s.ids for s in samples], {}, None, layout)
+            last = (packed.cu_seqlens[1:].long() - 1).to(layout.device)
+            r = RewardModel(reward)(**mb.inputs, last_index=last)
+        mean = getattr(reward.config, "reward_mean", 0.0)
+        std = getattr(reward.config, "reward_std", 1.0) or 1.0
+        vals = ((r - mean) / std).tolist()
+    for s, v in zip(samples, vals):
+        s.reward = float(v)
+
+
+def micro_batches(samples: list[Sample], cfg, layout: Layout) -> list[list[Sample]]:
+    """Token-budget micro-batches of this rank's samples; every data-parallel rank gets the
+    same count (empty lists pad the shorter plans, so DeepSpeed's collectives line up)."""
+    plan = plan_micro_batches([len(s.ids) for s in samples], cfg.micro_batch_tokens)[0]
+    n = torch.tensor([len(plan)], device=layout.device)
+    if layout.world > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return [[samples[i] for i in mb] for mb in plan] + [[]] * (int(n) - len(plan))
+
+
+@torch.no_grad()
+def make_experience(samples, actor, ref, critic, cfg: PPOConfig, layout: Layout) -> dict:
+    """Old/reference log-probs, values, KL, advantages and returns (all over actions)."""
+    for mb in micro_batches(samples, cfg, layout):
+        if not mb:
+            continue
+        logp, _ = actor(mb, layout)
+        for s, x in zip(mb, split(logp, mb)):
+            s.old_logp = x
+        ref_logp, _ = ref(mb, layout)
+        for s, x in zip(mb, split(ref_logp, mb)):
+            s.ref_logp = x
+        if critic is not None:
+            for s, x in zip(mb, split(critic(mb, layout), mb)):
+                s.values = x
+    old = torch.cat([s.old_logp for s in samples])
+    kl = kl_penalty(old, torch.cat([s.ref_logp for s in samples]), cfg.kl_estimator)
+    cu = common_cu([s.n_act for s in samples])
+    scalar = torch.tensor([s.reward for s in samples])
+    if cfg.advantage_estimator in GROUP_ESTIMATORS:
+        scalar = group_advantages(scalar, cfg.n_samples_per_prompt, cfg.advantage_estimator)
+    tok_r = torch.zeros_like(old)
+    tok_r[cu[1:] - 1] = scalar  # the reward lands on the last response token
+    if not cfg.kl_in_loss:
+        tok_r = tok_r - cfg.kl_coef * kl
+    if cfg.advantage_estimator == "gae":
+        values = torch.cat([s.values for s in samples])
+        adv, ret = gae(tok_r, values, gamma=cfg.gamma, lam=cfg.lam, cu_seqlens=cu)
+        adv = whiten(adv)
+    else:
+        ret = discounted_returns(tok_r, gamma=cfg.gamma, cu_seqlens=cu)
+        adv = whiten(ret) if cfg.advantage_estimator == "reinforce" else ret
+    for s, a, r in zip(
+        samples, adv.split([s.n_act for s in samples]), ret.split([s.n_act for s in samples])
+    ):
+        s.advantages, s.returns = a, r
+    return {
+        "kl": kl.mean().item(),
+        "advantage_mean": adv.mean().item(),
+        "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
+    }
+
+
+def common_cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------- updates
+def train_actor(engine, batch: list[Sample], cfg: PPOConfig, layout: Layout) -> dict:
+    """One optimizer step of the clipped policy loss; the token mean runs over the global batch."""
+    n_global = sum_across([sum(s.n_act for s in batch)], layout)[0] / layout.tp
+    totals = dict(policy_loss=0.0, clip_fraction=0.0, approx_kl=0.0, entropy=0.0)
+    mbs = micro_batches(batch, cfg, layout)
+    for i, mb in enumerate(mbs):
+        if not mb:  # keeps every rank's backward count equal; contributes nothing
+            dummy = Sample(
+                batch[0].ids[:2],
+                1,
+                old_logp=torch.zeros(1),
+                ref_logp=torch.zeros(1),
+                advantages=torch.zeros(1),
+            )
+            mb, weight = [dummy], 0.0
+        else:
+            weight = sum(s.n_act for s in mb) / n_global
+        logp, ent = engine(mb, layout)
+        dev = logp.device
+        old = torch.cat([s.old_logp for s in mb]).to(dev)
+        adv = torch.cat([s.advantages for s in mb]).to(dev)
+        loss, stats = policy_loss(
+            logp,
+            old,
+            adv,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip,
+            return_stats=True,
+            cu_seqlens=common_cu([s.n_act for s in mb]).to(dev),
+        )
+        if cfg.kl_in_loss and cfg.kl_coef:
+            ref = torch.cat([s.ref_logp for s in mb]).to(dev)
+            loss = loss + cfg.kl_coef * kl_penalty(logp, ref, cfg.kl_estimator).mean()
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ent.mean()
+        accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
+        totals["policy_loss"] += loss.item() * weight
+        totals["entropy"] += ent.mean().item() * weight
+        totals["clip_fraction"] += stats["clip_frac"].item() * weight
+        totals["approx_kl"] += stats["approx_kl"].item() * weight
+    out = dict(zip(totals, sum_across([v / layout.tp for v in totals.values()], layout)))
+    out["grad_norm"] = optimizer_step(engine, layout)
+    return out
+
+
+def train_critic(engine, batch: list[Sample], cfg: PPOConfig, layout: Layout) -> float:
+    n_global = sum_across([sum(s.n_act for s in batch)], layout)[0] / layout.tp
+    total, mbs = 0.0, micro_batches(batch, cfg, layout)
+    for i, mb in enumerate(mbs):
+        weight = sum(s.n_act for s in mb) / n_global
+        mb = mb or [Sample(batch[0].ids[:2], 1, values=torch.zeros(1), returns=torch.zeros(1))]
+        v = engine(mb, layout)
+        old = torch.cat([s.values for s in mb]).to(v.device)
+        ret = torch.cat([s.returns for s in mb]).to(v.device)
+        loss = value_loss(
+            v,
+            old,
+            ret,
+            clip=cfg.value_clip,
+            cu_seqlens=common_cu([s.n_act for s in mb]).to(v.device),
+        )
+        accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
+        total += loss.item() * weight
+    optimizer_step(engine, layout)
+    return sum_across([total / layout.tp], layout)[0]
+
+
+# ----------------------------------------------------------------------------- the run
+def evaluate(session, gen, reward, rows, cfg) -> dict:
+    """Greedy responses to the held-out prompts (split over data-parallel ranks)."""
+    layout = session.layout
+    mine = rows[layout.dp_rank :: layout.dp]
+    samples, texts = generate(gen, session.tokenizer, mine, cfg, 0, 0, greedy=True)
+    # every rank passes the collective check, also one without held-out prompts
+    session.on_every_rank(score, reward, session.tokenizer, samples, texts, cfg, layout)
+    tot, n = sum_across(
+        [sum(s.reward for s in samples) / layout.tp, len(samples) / layout.tp], layout
+    )
+    return {"eval_reward": tot / max(n, 1)}
+
+
+def train(cfg: PPOConfig) -> dict:
+    from trainers.rollout import HFGenerationEngine
+    from trainers.session import Session
+
+    s = Session.start(cfg, "ppo")
+    rows, eval_rows = s.load_prompts()
+    reward = s.load_reward()
+    lm = s.load_causal_lm()
+    engine, start = s.build(Actor(lm, cfg.temperature), len(rows) * cfg.n_samples_per_prompt)
+    ref = Actor(s.load_causal_lm(), cfg.temperature).eval().requires_grad_(False)
+    critic = None
+    if cfg.advantage_estimator == "gae":
+        critic = s.build_critic(TokenCritic(s.load_score_model(cfg.critic_model)))
+    gen = HFGenerationEngine(lm, s.tokenizer, gather_zero3=cfg.zero_stage == 3)
+    per_rank = cfg.rollout_batch_size // s.layout.dp
+    metrics: dict = {}
+    # step 1 logs the greedy reward before any update; later eval steps after theirs
+    before = evaluate(s, gen, reward, eval_rows, cfg) if (eval_rows and start == 0) else {}
+    for step in s.progress(start):
+        t0 = time.perf_counter()
+        first = ((step - 1) * cfg.rollout_batch_size) % len(rows) + s.layout.dp_rank * per_rank
+        mine = [rows[(first + i) % len(rows)] for i in range(per_rank)]
+        samples, texts = generate(gen, s.tokenizer, mine, cfg, step, first)
+        s.on_every_rank(score, reward, s.tokenizer, samples, texts, cfg, s.layout)
+        exp = make_experience(samples, engine.module, ref, critic and critic.module, cfg, s.layout)
+        t1 = time.perf_counter()
+        n_batches = len(samples) * s.layout.dp // cfg.batch_size
+        size = len(samples) // n_batches
+        upd: dict = {}
+        for _ in range(cfg.ppo_epochs):
+            for b in range(n_batches):
+                batch = samples[b * size : (b + 1) * size]
+                upd = train_actor(engine, batch, cfg, s.layout)
+                if critic is not None:
+                    upd["value_loss"] = train_critic(critic, batch, cfg, s.layout)
+        t2 = time.perf_counter()
+        r_sum, r_sq, n, length, tokens = sum_across(
+            [
+                sum(x.reward for x in samples) / s.layout.tp,
+                sum(x.reward**2 for x in samples) / s.layout.tp,
+                len(samples) / s.layout.tp,
+                sum(x.n_act for x in samples) / s.layout.tp,
+                sum(len(x.ids) for x in samples) / s.layout.tp,
+            ],
+            s.layout,
+        )
+        mean = r_sum / n
+        metrics = {
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(r_sq / n - mean * mean, 0.0)),
+            "response_length": length / n,
+            **exp,
+            **upd,
+            "lr": engine.get_lr()[0],
+            "tokens": tokens,
+            "tokens_per_s": tokens * cfg.ppo_epochs / max(t2 - t1, 1e-9),
+            "rollout_s": t1 - t0,
+            "train_s": t2 - t1,
+        }
+        if step == 1:
+            metrics.update(before)
+        elif eval_rows and s.is_eval_step(step):
+            metrics.update(evaluate(s, gen, reward, eval_rows, cfg))
+        s.end_step(step, metrics, engine, show=("reward_mean", "kl", "eval_reward"))
+        if s.layout.is_main and texts:
+            s.sample_line(step, texts[0], samples[0].reward)
+    s.finish(
+        engine,
+        lm,
+        prefix="lm.",
+        plot=[("reward_mean", "eval_reward"), ("kl",), ("policy_loss",), ("entropy",)],
+    )
+    return metrics
+
+
+def main(argv=None) -> dict:
+    from trainers.cli import parse_config
+
+    cfg = parse_config(
+        PPOConfig,
+        argv,
+        prog="python -m trainers.ppo",
+        description="PPO / GRPO / REINFORCE++ on a Hugging Face causal LM: sampled rollouts, "
+        "packed experience through rlhf_kernels' fused log-probs, GAE and group advantages, "
+        "clipped updates on token-budget micro-batches (DeepSpeed ZeRO / AutoTP).",
+    )
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()
