@@ -257,8 +257,13 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 # ----------------------------------------------------------------------------- bad input
-def _bad(module: str, args: list[str], nproc: int = 1, out: Path | None = None,
-         pythonpath: Path | None = None):
+def _bad(
+    module: str,
+    args: list[str],
+    nproc: int = 1,
+    out: Path | None = None,
+    pythonpath: Path | None = None,
+):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
