@@ -55,8 +55,9 @@ def lr_lambda(cfg, total_steps: int):
     return factor
 
 
-def build_engine(module: torch.nn.Module, cfg, layout: Layout, total_steps: int,
-                 lr: float | None = None):
+def build_engine(
+    module: torch.nn.Module, cfg, layout: Layout, total_steps: int, lr: float | None = None
+):
     """``deepspeed.initialize`` with AdamW (``lr``, default ``cfg.lr``) and the warm-up/cosine
     schedule."""
     import deepspeed
