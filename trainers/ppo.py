@@ -10,6 +10,7 @@ Every per-token tensor lives on the *actions* (response tokens) of each sample, 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -17,12 +18,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rlhf_kernels.ops.advantages import group_advantages, whiten
+from rlhf_kernels.ops.advantages import group_advantages
 from rlhf_kernels.ops.gae import discounted_returns, gae
 from rlhf_kernels.ops.linear_logprobs import linear_logprobs
 from rlhf_kernels.ops.losses import kl_penalty, policy_loss, value_loss
 from rlhf_kernels.packing import plan_micro_batches
-from trainers import common, rewards
+from trainers import common, ppo_ring, rewards
 from trainers.config import TrainConfig
 from trainers.distributed import Layout, sum_across
 from trainers.engine import accumulate, optimizer_step
@@ -95,17 +96,24 @@ class PPOConfig(TrainConfig):
             )
         if self.reward_fn and self.reward_model:
             raise ValueError("give --reward-fn or --reward-model, not both")
-        if self.ring_attn_size > 1:
-            raise ValueError("trainers.ppo does not run ring attention yet (--ring-attn-size 1)")
+        if self.ring_attn_size > 1 and (
+            self.batch_size != self.rollout_batch_size * self.n_samples_per_prompt
+        ):
+            raise ValueError(
+                f"with --ring-attn-size > 1 every PPO epoch is one optimizer step over the "
+                f"rollout batch: --batch-size must be {self.rollout_batch_size} x "
+                f"{self.n_samples_per_prompt}, got {self.batch_size}"
+            )
 
 
 @dataclass
 class Sample:
     """One response and its experience; per-token tensors are over its actions (responses)."""
 
-    ids: torch.Tensor  # (n,) prompt + response
+    ids: torch.Tensor | None  # (n,) prompt + response (None: bookkeeping of a ring sample)
     n_prompt: int
     reward: float = 0.0
+    length: int = 0  # len(ids) when ids is None
     old_logp: torch.Tensor | None = None  # (n_act,)
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -114,7 +122,7 @@ class Sample:
 
     @property
     def n_act(self) -> int:
-        return len(self.ids) - self.n_prompt
+        return (len(self.ids) if self.ids is not None else self.length) - self.n_prompt
 
     def targets(self) -> torch.Tensor:
         """``(n,)`` next-token targets: the response tokens, -100 elsewhere."""
@@ -129,6 +137,8 @@ def action_hidden(model, samples: list[Sample], layout: Layout):
     and the ``(n_act,)`` action token ids, samples in order."""
     from trainers.modeling import base_model
 
+    if isinstance(samples, ppo_ring.Shard):
+        return ppo_ring.hidden(model, samples, layout)
     mb, extras, _ = common.packed_inputs(
         [s.ids for s in samples], {"t": [s.targets() for s in samples]}, None, layout
     )
@@ -180,6 +190,18 @@ def generate(gen, tokenizer, rows, cfg: PPOConfig, step: int, first_index: int, 
     from trainers.data import render_prompt
 
     samples, texts = [], []
+    # ZeRO-3: one gather per call on every rank (a rank may have no prompt), so the
+    # data-parallel collectives line up
+    with gen.gathered():
+        _generate_rows(
+            gen, tokenizer, rows, cfg, step, first_index, greedy, samples, texts, render_prompt
+        )
+    return samples, texts
+
+
+def _generate_rows(
+    gen, tokenizer, rows, cfg, step, first_index, greedy, samples, texts, render_prompt
+) -> None:
     for i, row in enumerate(rows):
         p = render_prompt(
             tokenizer, row[cfg.input_key], cfg.input_template, cfg.apply_chat_template
@@ -196,7 +218,6 @@ def generate(gen, tokenizer, rows, cfg: PPOConfig, step: int, first_index: int, 
         for r in outs:
             samples.append(Sample(torch.tensor(p + r), len(p)))
             texts.append((row, tokenizer.decode(r, skip_special_tokens=True)))
-    return samples, texts
 
 
 def score(reward, tokenizer, samples, texts, cfg: PPOConfig, layout: Layout) -> None:
@@ -251,6 +272,26 @@ def make_experience(samples, actor, ref, critic, cfg: PPOConfig, layout: Layout)
         if critic is not None:
             for s, x in zip(mb, split(critic(mb, layout), mb)):
                 s.values = x
+    return advantages(samples, cfg, layout)
+
+
+def global_whiten(x: torch.Tensor, layout: Layout, repeats: int) -> torch.Tensor:
+    """``whiten`` with the mean and variance of every data-parallel rank's tokens (each value
+    is held by ``repeats`` ranks)."""
+    n, tot, sq = sum_across(
+        [v / repeats for v in (x.numel(), x.sum().item(), x.double().square().sum().item())],
+        layout,
+    )
+    mean = tot / max(n, 1)
+    var = max(sq - n * mean * mean, 0.0) / max(n - 1, 1)  # unbiased, as whiten()
+    return (x - mean) * (var + 1e-8) ** -0.5
+
+
+def advantages(samples: list[Sample], cfg: PPOConfig, layout: Layout, repeats: int = 0) -> dict:
+    """KL, per-token rewards, advantages and returns of whole samples (``old_logp``,
+    ``ref_logp``, ``values`` and ``reward`` set); returns the step's statistics. ``repeats``:
+    ranks holding each sample (default ``tp``; ring ranks all hold the whole samples here)."""
+    repeats = repeats or layout.tp
     old = torch.cat([s.old_logp for s in samples])
     kl = kl_penalty(old, torch.cat([s.ref_logp for s in samples]), cfg.kl_estimator)
     cu = common_cu([s.n_act for s in samples])
@@ -264,18 +305,31 @@ def make_experience(samples, actor, ref, critic, cfg: PPOConfig, layout: Layout)
     if cfg.advantage_estimator == "gae":
         values = torch.cat([s.values for s in samples])
         adv, ret = gae(tok_r, values, gamma=cfg.gamma, lam=cfg.lam, cu_seqlens=cu)
-        adv = whiten(adv)
+        adv = global_whiten(adv, layout, repeats)
     else:
         ret = discounted_returns(tok_r, gamma=cfg.gamma, cu_seqlens=cu)
-        adv = whiten(ret) if cfg.advantage_estimator == "reinforce" else ret
+        adv = global_whiten(ret, layout, repeats) if cfg.advantage_estimator == "reinforce" else ret
     for s, a, r in zip(
         samples, adv.split([s.n_act for s in samples]), ret.split([s.n_act for s in samples])
     ):
         s.advantages, s.returns = a, r
+    n, kl_sum, a_sum, a_sq = sum_across(
+        [
+            x / repeats
+            for x in (
+                adv.numel(),
+                kl.sum().item(),
+                adv.sum().item(),
+                adv.double().square().sum().item(),
+            )
+        ],
+        layout,
+    )
+    mean = a_sum / max(n, 1)
     return {
-        "kl": kl.mean().item(),
-        "advantage_mean": adv.mean().item(),
-        "advantage_std": adv.std().item() if adv.numel() > 1 else 0.0,
+        "kl": kl_sum / max(n, 1),
+        "advantage_mean": mean,
+        "advantage_std": max(a_sq / max(n, 1) - mean * mean, 0.0) ** 0.5,
     }
 
 
@@ -284,27 +338,59 @@ def common_cu(lengths: list[int]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- updates
-def train_actor(engine, batch: list[Sample], cfg: PPOConfig, layout: Layout) -> dict:
-    """One optimizer step of the clipped policy loss; the token mean runs over the global batch."""
-    n_global = sum_across([sum(s.n_act for s in batch)], layout)[0] / layout.tp
+def _n(mb) -> int:
+    return mb.n_local if isinstance(mb, ppo_ring.Shard) else sum(s.n_act for s in mb)
+
+
+def _batch_n(batch) -> int:
+    """Action tokens this rank holds in ``batch`` (``Sample``s or ring shards)."""
+    return sum(_n(x if isinstance(x, ppo_ring.Shard) else [x]) for x in batch)
+
+
+def _cat(mb, name: str) -> torch.Tensor:
+    if isinstance(mb, ppo_ring.Shard):
+        return getattr(mb, name)
+    return torch.cat([getattr(s, name) for s in mb])
+
+
+def _cu(mb, device) -> torch.Tensor:
+    """Sequence boundaries over a micro-batch's actions (a shard: one run of local tokens)."""
+    lens = [mb.n_local] if isinstance(mb, ppo_ring.Shard) else [s.n_act for s in mb]
+    return common_cu(lens).to(device)
+
+
+def update_batches(batch, cfg, layout: Layout, pad_id: int):
+    """``(micro-batch, counts)`` pairs of one optimizer step: token-budget micro-batches of
+    ``Sample``s, or the ring's shards; every rank gets the same number (padding ones count 0)."""
+    if batch and isinstance(batch[0], ppo_ring.Shard):
+        n = torch.tensor([len(batch)], device=layout.device)
+        if layout.world > 1:
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        pads = [ppo_ring.dummy(layout, pad_id, cfg) for _ in range(int(n) - len(batch))]
+        return [(mb, True) for mb in batch] + [(mb, False) for mb in pads]
+    dummy = Sample(
+        torch.tensor([pad_id, pad_id]),
+        1,
+        old_logp=torch.zeros(1),
+        ref_logp=torch.zeros(1),
+        advantages=torch.zeros(1),
+        values=torch.zeros(1),
+        returns=torch.zeros(1),
+    )
+    return [(mb, True) if mb else ([dummy], False) for mb in micro_batches(batch, cfg, layout)]
+
+
+def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> dict:
+    """One optimizer step of the clipped policy loss; the token mean runs over the global batch
+    (``batch``: this rank's ``Sample``s, or its ring shards)."""
+    n_global = sum_across([_batch_n(batch) / layout.tp], layout)[0]
     totals = dict(policy_loss=0.0, clip_fraction=0.0, approx_kl=0.0, entropy=0.0)
-    mbs = micro_batches(batch, cfg, layout)
-    for i, mb in enumerate(mbs):
-        if not mb:  # keeps every rank's backward count equal; contributes nothing
-            dummy = Sample(
-                batch[0].ids[:2],
-                1,
-                old_logp=torch.zeros(1),
-                ref_logp=torch.zeros(1),
-                advantages=torch.zeros(1),
-            )
-            mb, weight = [dummy], 0.0
-        else:
-            weight = sum(s.n_act for s in mb) / n_global
+    mbs = update_batches(batch, cfg, layout, pad_id)
+    for i, (mb, counts) in enumerate(mbs):
+        weight = _n(mb) / n_global if counts else 0.0
         logp, ent = engine(mb, layout)
         dev = logp.device
-        old = torch.cat([s.old_logp for s in mb]).to(dev)
-        adv = torch.cat([s.advantages for s in mb]).to(dev)
+        old, adv = _cat(mb, "old_logp").to(dev), _cat(mb, "advantages").to(dev)
         loss, stats = policy_loss(
             logp,
             old,
@@ -313,13 +399,14 @@ def train_actor(engine, batch: list[Sample], cfg: PPOConfig, layout: Layout) -> 
             clip_high=cfg.clip_high,
             dual_clip=cfg.dual_clip,
             return_stats=True,
-            cu_seqlens=common_cu([s.n_act for s in mb]).to(dev),
+            cu_seqlens=_cu(mb, dev),
         )
         if cfg.kl_in_loss and cfg.kl_coef:
-            ref = torch.cat([s.ref_logp for s in mb]).to(dev)
+            ref = _cat(mb, "ref_logp").to(dev)
             loss = loss + cfg.kl_coef * kl_penalty(logp, ref, cfg.kl_estimator).mean()
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ent.mean()
+        # DeepSpeed averages over its dp x ring ranks: scale back to a sum of global shares
         accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
         totals["policy_loss"] += loss.item() * weight
         totals["entropy"] += ent.mean().item() * weight
@@ -330,22 +417,14 @@ def train_actor(engine, batch: list[Sample], cfg: PPOConfig, layout: Layout) -> 
     return out
 
 
-def train_critic(engine, batch: list[Sample], cfg: PPOConfig, layout: Layout) -> float:
-    n_global = sum_across([sum(s.n_act for s in batch)], layout)[0] / layout.tp
-    total, mbs = 0.0, micro_batches(batch, cfg, layout)
-    for i, mb in enumerate(mbs):
-        weight = sum(s.n_act for s in mb) / n_global
-        mb = mb or [Sample(batch[0].ids[:2], 1, values=torch.zeros(1), returns=torch.zeros(1))]
+def train_critic(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> float:
+    n_global = sum_across([_batch_n(batch) / layout.tp], layout)[0]
+    total, mbs = 0.0, update_batches(batch, cfg, layout, pad_id)
+    for i, (mb, counts) in enumerate(mbs):
+        weight = _n(mb) / n_global if counts else 0.0
         v = engine(mb, layout)
-        old = torch.cat([s.values for s in mb]).to(v.device)
-        ret = torch.cat([s.returns for s in mb]).to(v.device)
-        loss = value_loss(
-            v,
-            old,
-            ret,
-            clip=cfg.value_clip,
-            cu_seqlens=common_cu([s.n_act for s in mb]).to(v.device),
-        )
+        old, ret = _cat(mb, "values").to(v.device), _cat(mb, "returns").to(v.device)
+        loss = value_loss(v, old, ret, clip=cfg.value_clip, cu_seqlens=_cu(mb, v.device))
         accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
         total += loss.item() * weight
     optimizer_step(engine, layout)
@@ -366,6 +445,25 @@ def evaluate(session, gen, reward, rows, cfg) -> dict:
     return {"eval_reward": tot / max(n, 1)}
 
 
+def ring_share(gen, session, reward, cfg, step, first, share) -> list[dict]:
+    """``distributed_rollouts``' generate: this ring rank's share of ``(index, row)`` prompts
+    -> scored sample dicts (token ids and targets, plus metadata)."""
+    rows = [row for _, row in share]
+    start = first + (share[0][0] if share else 0)
+    samples, texts = generate(gen, session.tokenizer, rows, cfg, step, start)
+    score(reward, session.tokenizer, samples, texts, cfg, session.layout)
+    return [
+        {
+            "input_ids": x.ids,
+            "targets": x.targets(),
+            "reward": x.reward,
+            "n_prompt": x.n_prompt,
+            "text": t,
+        }
+        for x, t in zip(samples, texts)
+    ]
+
+
 def train(cfg: PPOConfig) -> dict:
     from trainers.rollout import HFGenerationEngine
     from trainers.session import Session
@@ -379,7 +477,9 @@ def train(cfg: PPOConfig) -> dict:
     critic = None
     if cfg.advantage_estimator == "gae":
         critic = s.build_critic(TokenCritic(s.load_score_model(cfg.critic_model)))
+    critic_module = critic.module if critic is not None else None
     gen = HFGenerationEngine(lm, s.tokenizer, gather_zero3=cfg.zero_stage == 3)
+    pad = s.tokenizer.pad_token_id
     per_rank = cfg.rollout_batch_size // s.layout.dp
     metrics: dict = {}
     # step 1 logs the greedy reward before any update; later eval steps after theirs
@@ -388,27 +488,35 @@ def train(cfg: PPOConfig) -> dict:
         t0 = time.perf_counter()
         first = ((step - 1) * cfg.rollout_batch_size) % len(rows) + s.layout.dp_rank * per_rank
         mine = [rows[(first + i) % len(rows)] for i in range(per_rank)]
-        samples, texts = generate(gen, s.tokenizer, mine, cfg, step, first)
-        s.on_every_rank(score, reward, s.tokenizer, samples, texts, cfg, s.layout)
-        exp = make_experience(samples, engine.module, ref, critic and critic.module, cfg, s.layout)
+        if s.layout.ring == 1:
+            samples, texts = generate(gen, s.tokenizer, mine, cfg, step, first)
+            s.on_every_rank(score, reward, s.tokenizer, samples, texts, cfg, s.layout)
+            exp = make_experience(samples, engine.module, ref, critic_module, cfg, s.layout)
+            n_batches = len(samples) * s.layout.dp // cfg.batch_size
+            size = len(samples) // n_batches
+            batches = [samples[b * size : (b + 1) * size] for b in range(n_batches)]
+        else:  # each ring rank generates a share and keeps only its token shards
+            make = functools.partial(ring_share, gen, s, reward, cfg, step, first)
+            shards, text = ppo_ring.rollouts(s, make, list(enumerate(mine)), cfg)
+            exp = ppo_ring.experience(shards, engine.module, ref, critic_module, cfg, s.layout)
+            samples = [x for sh in shards for x in sh.samples]
+            texts, batches = [text] if text else [], [shards]
         t1 = time.perf_counter()
-        n_batches = len(samples) * s.layout.dp // cfg.batch_size
-        size = len(samples) // n_batches
         upd: dict = {}
         for _ in range(cfg.ppo_epochs):
-            for b in range(n_batches):
-                batch = samples[b * size : (b + 1) * size]
-                upd = train_actor(engine, batch, cfg, s.layout)
+            for batch in batches:
+                upd = train_actor(engine, batch, cfg, s.layout, pad)
                 if critic is not None:
-                    upd["value_loss"] = train_critic(critic, batch, cfg, s.layout)
+                    upd["value_loss"] = train_critic(critic, batch, cfg, s.layout, pad)
         t2 = time.perf_counter()
+        rep = s.layout.tp * s.layout.ring  # ranks holding each sample's bookkeeping
         r_sum, r_sq, n, length, tokens = sum_across(
             [
-                sum(x.reward for x in samples) / s.layout.tp,
-                sum(x.reward**2 for x in samples) / s.layout.tp,
-                len(samples) / s.layout.tp,
-                sum(x.n_act for x in samples) / s.layout.tp,
-                sum(len(x.ids) for x in samples) / s.layout.tp,
+                sum(x.reward for x in samples) / rep,
+                sum(x.reward**2 for x in samples) / rep,
+                len(samples) / rep,
+                sum(x.n_act for x in samples) / rep,
+                sum(x.n_act + x.n_prompt for x in samples) / rep,
             ],
             s.layout,
         )

@@ -34,8 +34,9 @@ def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
 class HFGenerationEngine:
     """transformers ``generate`` with the KV cache on left-padded batches.
 
-    ``model`` is the raw HF causal LM (for a DeepSpeed engine, the wrapped module);
-    ``gather_zero3`` gathers ZeRO-3 partitions for the duration of a call. Sampling is seeded per
+    ``model`` is the raw HF causal LM (for a DeepSpeed engine, the wrapped module). Under ZeRO-3
+    (``gather_zero3``) wrap calls in ``with engine.gathered():``, entered the same number of
+    times on every data-parallel rank (it is a collective). Sampling is seeded per
     call with a forked RNG, so the caller's RNG state is unchanged.
     """
 
@@ -43,7 +44,8 @@ class HFGenerationEngine:
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.gather_zero3 = batch_size, gather_zero3
 
-    def _gathered(self):
+    def gathered(self):
+        """Context that gathers ZeRO-3 partitions (with ``gather_zero3``), else nothing."""
         if not self.gather_zero3:
             return contextlib.nullcontext()
         import deepspeed
@@ -83,7 +85,6 @@ class HFGenerationEngine:
             with (
                 torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
                 torch.no_grad(),
-                self._gathered(),
             ):
                 torch.manual_seed(seed)
                 for i in range(0, len(flat), self.batch_size):
