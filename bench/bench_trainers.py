@@ -76,11 +76,10 @@ def planner_overhead(lengths: list[int], budget: int, batch: int) -> float:
     return planned / max(bound, 1)
 
 
-def run_sft(args: list[str], nproc: int = 1) -> dict:
-    """One trainer process; returns median tokens/s (steps after the first), peak memory,
-    padding fraction and the per-step losses."""
+def run_trainer(module: str, args: list[str], nproc: int = 1) -> list[dict]:
+    """One ``python -m trainers.<module>`` (or torchrun) process; its ``metrics.jsonl`` lines."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "trainers.sft", *args, "--output-dir", out]
+        cmd = [sys.executable, "-m", f"trainers.{module}", *args, "--output-dir", out]
         if nproc > 1:
             cmd = [
                 sys.executable,
@@ -89,14 +88,19 @@ def run_sft(args: list[str], nproc: int = 1) -> dict:
                 "--nproc-per-node",
                 str(nproc),
                 "-m",
-                "trainers.sft",
+                f"trainers.{module}",
                 *args,
                 "--output-dir",
                 out,
             ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
-        m = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+        return [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+
+
+def run_sft(args: list[str], nproc: int = 1) -> dict:
+    """Median tokens/s (steps after the first), peak memory, padding fraction, losses."""
+    m = run_trainer("sft", args, nproc)
     later = m[1:] or m
     return {
         "tokens_per_s": statistics.median(x["tokens_per_s"] for x in later),

@@ -445,6 +445,26 @@ def evaluate(session, gen, reward, rows, cfg) -> dict:
     return {"eval_reward": tot / max(n, 1)}
 
 
+class PeakMemory:
+    """Peak memory growth from construction to ``stop()`` in bytes: the CUDA allocator's peak
+    above the start on GPUs, else the process's peak RSS growth (sampled)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base, self.device = torch.cuda.memory_allocated(device), device
+        else:
+            from rlhf_kernels.comm._memory import PeakRSS
+
+            self.rss = PeakRSS()
+
+    def stop(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return self.rss.stop()
+
+
 def ring_share(gen, session, reward, cfg, step, first, share) -> list[dict]:
     """``distributed_rollouts``' generate: this ring rank's share of ``(index, row)`` prompts
     -> scored sample dicts (token ids and targets, plus metadata)."""
@@ -488,6 +508,8 @@ def train(cfg: PPOConfig) -> dict:
         t0 = time.perf_counter()
         first = ((step - 1) * cfg.rollout_batch_size) % len(rows) + s.layout.dp_rank * per_rank
         mine = [rows[(first + i) % len(rows)] for i in range(per_rank)]
+        peak = PeakMemory(s.layout.device)  # the rollout phase alone
+        received = 0
         if s.layout.ring == 1:
             samples, texts = generate(gen, s.tokenizer, mine, cfg, step, first)
             s.on_every_rank(score, reward, s.tokenizer, samples, texts, cfg, s.layout)
@@ -497,11 +519,16 @@ def train(cfg: PPOConfig) -> dict:
             batches = [samples[b * size : (b + 1) * size] for b in range(n_batches)]
         else:  # each ring rank generates a share and keeps only its token shards
             make = functools.partial(ring_share, gen, s, reward, cfg, step, first)
-            shards, text = ppo_ring.rollouts(s, make, list(enumerate(mine)), cfg)
+            shards, text, received = ppo_ring.rollouts(s, make, list(enumerate(mine)), cfg)
             exp = ppo_ring.experience(shards, engine.module, ref, critic_module, cfg, s.layout)
             samples = [x for sh in shards for x in sh.samples]
             texts, batches = [text] if text else [], [shards]
         t1 = time.perf_counter()
+        rollout_mem = [peak.stop() / 2**20, received / 2**20]
+        if s.layout.world > 1:  # the busiest rank
+            t = torch.tensor(rollout_mem, device=s.layout.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            rollout_mem = t.tolist()
         upd: dict = {}
         for _ in range(cfg.ppo_epochs):
             for batch in batches:
@@ -531,6 +558,8 @@ def train(cfg: PPOConfig) -> dict:
             "tokens": tokens,
             "tokens_per_s": tokens * cfg.ppo_epochs / max(t2 - t1, 1e-9),
             "rollout_s": t1 - t0,
+            "rollout_peak_mb": rollout_mem[0],
+            "rollout_received_mb": rollout_mem[1],
             "train_s": t2 - t1,
         }
         if step == 1:

@@ -79,9 +79,9 @@ def _bookkeeping(meta: list[dict], plan: RingPlan) -> list:
     ]
 
 
-def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], list]:
-    """Generate on every ring rank, stream to the group; returns this rank's shards and the
-    first sample's text (for the progress line)."""
+def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], object, int]:
+    """Generate on every ring rank, stream to the group; returns this rank's shards, the first
+    sample's text (for the progress line) and the token-tensor bytes this rank received."""
     from rlhf_kernels.comm.distributed import distributed_rollouts
 
     layout = session.layout
@@ -94,14 +94,18 @@ def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], list]:
         layout=cfg.ring_layout,
         max_chunk_bytes=cfg.micro_batch_tokens * 16,  # two int64 per token
     )
-    shards, first_text = [], None
+    shards, first_text, received = [], None, 0
     try:
         for item in stream:
             if scatter:
                 plan, local, meta = item
                 ids, targets = local["input_ids"], local["targets"]
+                received += sum(t.numel() * t.element_size() for t in (ids, targets))
             else:  # whole samples on every ring rank: shard them here
                 meta = item
+                received += sum(
+                    m[k].numel() * m[k].element_size() for m in meta for k in TOKEN_KEYS
+                )
                 packed = common.pack_sequences([m["input_ids"] for m in meta])
                 plan = RingPlan.build(packed.cu_seqlens, layout.ring, cfg.ring_layout)
                 r = layout.ring_rank
@@ -112,7 +116,7 @@ def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], list]:
             shards.append(_shard(plan, ids, targets, _bookkeeping(meta, plan), layout))
     except RuntimeError as e:  # generate / the reward function failed on some ring rank
         common.fail(str(e))
-    return shards, first_text
+    return shards, first_text, received
 
 
 def experience(shards: list[Shard], actor, ref, critic, cfg, layout: Layout) -> dict:
