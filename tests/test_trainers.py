@@ -40,20 +40,8 @@ SHORT = [
 ]
 
 
-def run_trainer(
-    module: str,
-    args: list[str],
-    out: Path | None,
-    nproc: int = 1,
-    cwd: Path | None = None,
-    check: bool = True,
-    timeout: int = 600,
-):
-    """Run ``python -m trainers.<module>`` (or torchrun with ``nproc`` ranks); returns the
-    completed process. ``out``: --output-dir."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+def command(module: str, args: list[str], nproc: int, out: Path | None) -> list[str]:
+    """``python -m trainers.<module> ...``, or torchrun with ``nproc`` ranks on a free port."""
     cmd = [sys.executable, "-m", f"trainers.{module}", *args]
     if nproc > 1:
         cmd = [
@@ -68,8 +56,24 @@ def run_trainer(
             f"trainers.{module}",
             *args,
         ]
-    if out is not None:
-        cmd += ["--output-dir", str(out)]
+    return cmd + (["--output-dir", str(out)] if out is not None else [])
+
+
+def run_trainer(
+    module: str,
+    args: list[str],
+    out: Path | None,
+    nproc: int = 1,
+    cwd: Path | None = None,
+    check: bool = True,
+    timeout: int = 600,
+):
+    """Run ``python -m trainers.<module>`` (or torchrun with ``nproc`` ranks); returns the
+    completed process. ``out``: --output-dir."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    cmd = command(module, args, nproc, out)
     proc = subprocess.run(
         cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -267,24 +271,13 @@ def _bad(
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", f"trainers.{module}", *args]
-    if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-port",
-            str(free_port()),
-            "-m",
-            f"trainers.{module}",
-            *args,
-        ]
-    if out is not None:
-        cmd += ["--output-dir", str(out)]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command(module, args, nproc, out),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
