@@ -1,5 +1,6 @@
-"""PPO trainer pieces (rewards, rollouts) in-process, and the trainer as a program: every
-advantage estimator runs, data parallelism reproduces the first step, bad input is one error."""
+"""The PPO trainer: experience log-probs in-process, and the trainer as a program (every
+advantage estimator runs, data parallelism and ring attention reproduce the 1-process run, bad
+input is one error). Rollout engine and reward functions: test_trainer_rollout.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import time
 import pytest
 import torch
 from test_trainers import ROOT, _bad, metrics, run_trainer
-
-from trainers import rewards
 
 pytest.importorskip("deepspeed")
 
@@ -37,52 +36,6 @@ FAST = [
 ]
 
 
-# ----------------------------------------------------------------------------- rewards
-def test_reverse_and_letters_rewards():
-    got = rewards.reverse_reward(None, ["dcba", "dcbx", "dc", "", " dcba \n"], ["dcba"] * 5)
-    assert got == [1.0, 0.75, 0.5, 0.0, 1.0]
-    assert rewards.reverse_reward(None, ["dcbaaa"], ["dcba"]) == [4 / 6]
-    # same letters in the wrong order: half credit from the multiset overlap
-    assert rewards.letters_reward(None, ["abcd", "dcba", "zzzz"], ["dcba"] * 3) == [0.5, 1.0, 0.0]
-
-
-def _ok(prompts, responses, **_):
-    return [1.0] * len(responses)
-
-
-def test_score_checks_the_contract():
-    assert rewards.score(_ok, "f", ["p"], ["a", "b"], {}) == [1.0, 1.0]
-    assert rewards.score(lambda **k: torch.tensor([0.5]), "t", ["p"], ["a"], {}) == [0.5]
-    cases = {
-        "returned 1 rewards for 2 responses": lambda **k: [1.0],
-        "returned None for response #0": lambda **k: [None, 1.0],
-        "returned nan for response #1": lambda **k: [1.0, math.nan],
-        "raised ZeroDivisionError": lambda **k: 1 / 0,
-        "must return a sequence": lambda **k: 3.0,
-    }
-    for text, fn in cases.items():
-        with pytest.raises(ValueError, match="reward function my.fn") as e:
-            rewards.score(fn, "my.fn", ["p", "q"], ["a", "b"], {})
-        assert text in str(e.value)
-    seen = {}
-    rewards.score(
-        lambda **k: seen.update(k) or [0, 0], "f", ["p", "q"], ["a", "b"], {"target": ["x", "y"]}
-    )
-    assert seen == {"prompts": ["p", "q"], "responses": ["a", "b"], "target": ["x", "y"]}
-
-
-def test_load_reward_fn_errors_name_the_spec():
-    assert rewards.load_reward_fn("trainers.rewards:reverse_reward") is rewards.reverse_reward
-    for spec, text in (
-        ("nocolon", "module:function"),
-        ("no_such_mod:f", "cannot import"),
-        ("trainers.rewards:nope", "has no 'nope'"),
-        ("trainers.rewards:math", "not callable"),
-    ):
-        with pytest.raises(ValueError, match=text):
-            rewards.load_reward_fn(spec)
-
-
 # ----------------------------------------------------------------------------- rollouts
 @pytest.fixture(scope="module")
 def tiny():
@@ -96,32 +49,6 @@ def tiny():
     ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation=register())
     sdpa = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     return tok, ours, sdpa
-
-
-def test_generation_counts_seeds_and_greedy_agreement(tiny):
-    from trainers.rollout import HFGenerationEngine, cut_at_eos
-
-    tok, ours, sdpa = tiny
-    prompts = [tok("reverse: abc").input_ids, tok("sort: dcba and more").input_ids]
-    gen = HFGenerationEngine(ours, tok, batch_size=3)
-    state = torch.get_rng_state()
-    a = gen.generate(prompts, n_samples=3, max_new_tokens=5, seed=7)
-    assert torch.equal(state, torch.get_rng_state())  # the caller's RNG is untouched
-    assert len(a) == 6 and all(1 <= len(r) <= 5 for r in a)
-    assert all(r[-1] == tok.eos_token_id or len(r) == 5 for r in a)
-    assert all(tok.pad_token_id not in r for r in a)
-    assert a == gen.generate(prompts, n_samples=3, max_new_tokens=5, seed=7)
-    assert a != gen.generate(prompts, n_samples=3, max_new_tokens=5, seed=8)
-    greedy = gen.generate(prompts, n_samples=1, max_new_tokens=8, greedy=True)
-    ref = HFGenerationEngine(sdpa, tok).generate(
-        prompts, n_samples=1, max_new_tokens=8, greedy=True
-    )
-    assert greedy == ref
-    assert cut_at_eos([5, 6, 1, 7, 1], 1) == [5, 6, 1] and cut_at_eos([5, 6], 1) == [5, 6]
-    with pytest.raises(ValueError, match="top_p"):
-        gen.generate(prompts, n_samples=1, max_new_tokens=2, top_p=0.0)
-    with pytest.raises(ValueError, match="non-empty"):
-        gen.generate([[]], n_samples=1, max_new_tokens=2)
 
 
 def test_action_logprobs_match_the_model(tiny):

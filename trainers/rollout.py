@@ -1,15 +1,169 @@
-"""Rollout generation behind a small interface, so a faster engine (vLLM on GPUs) can replace
-transformers' ``generate`` without touching the trainer."""
+"""Rollout generation behind a small interface, so the trainer does not care who generates.
+
+:class:`GenerationEngine` is the protocol the PPO trainer calls; :class:`HFGenerationEngine` is
+the portable implementation (transformers ``generate`` with the KV cache, any device, ZeRO-3
+aware). A faster engine (e.g. vLLM on GPUs, with weights synced from the trainer) can implement
+the same protocol and replace it without touching the trainer.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+import math
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
 
+@runtime_checkable
 class GenerationEngine(Protocol):
+    """Anything that turns token-id prompts into sampled token-id responses.
+
+    ``generate`` returns ``len(prompts) * n_samples`` responses, prompt-major (all samples of
+    prompt 0, then of prompt 1, ...), each a list of generated ids ending with the EOS id (kept)
+    when EOS was produced, else exactly ``max_new_tokens`` long; never padding, never the prompt.
+    The same call with the same ``seed`` gives the same responses; different seeds differ.
+    Implementations: :class:`HFGenerationEngine` (transformers), or e.g. a vLLM engine on GPUs.
+    """
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n_samples: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        seed: int = 0,
+    ) -> list[list[int]]: ...
+
+
+# generation_config fields that would reshape the policy's distribution (hub defaults such as
+# top_k=50 or repetition_penalty), set to values that turn their logits processors off
+_NEUTRAL = {
+    "top_k": 0,
+    "min_p": None,
+    "top_h": None,
+    "typical_p": None,
+    "epsilon_cutoff": None,
+    "eta_cutoff": None,
+    "repetition_penalty": None,
+    "no_repeat_ngram_size": None,
+    "sequence_bias": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "num_beams": 1,
+    "renormalize_logits": False,
+}
+
+
+def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
+    """``tokens`` up to and including its first ``eos`` (all of it when there is none)."""
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else list(tokens)
+
+
+def split_responses(
+    sequences: torch.Tensor, prompt_width: int, eos_id: int, pad_id: int | None
+) -> list[list[int]]:
+    """``generate``'s output ``(B, prompt_width + T)`` of left-padded prompts -> B responses.
+
+    Drops the (padded) prompt columns, cuts each row after its first ``eos_id`` (kept) and drops
+    trailing ``pad_id`` (a row that finished early is padded up to the batch's length; when
+    ``pad_id == eos_id`` the EOS cut already removes them).
+    """
+    if sequences.dim() != 2 or not 0 <= prompt_width <= sequences.shape[1]:
+        raise ValueError(
+            f"split_responses: expected sequences (B, prompt_width + T) with prompt_width <= "
+            f"{sequences.shape[-1] if sequences.dim() else 0}, got shape "
+            f"{tuple(sequences.shape)} and prompt_width={prompt_width}"
+        )
+    out = []
+    for row in sequences[:, prompt_width:].tolist():
+        row = cut_at_eos(row, eos_id)
+        if pad_id is not None and pad_id != eos_id and not (row and row[-1] == eos_id):
+            while row and row[-1] == pad_id:
+                row.pop()
+        out.append(row)
+    return out
+
+
+def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy) -> None:
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str) or len(prompts) == 0:
+        raise ValueError(
+            f"generate: prompts: expected a non-empty list of token-id lists, got {prompts!r:.80}"
+        )
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Sequence) or len(p) == 0:
+            raise ValueError(
+                f"generate: prompts[{i}]: expected a non-empty list of token ids, got {p!r:.80}"
+            )
+    for name, v in (("n_samples", n_samples), ("max_new_tokens", max_new_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"generate: {name}: expected an int >= 1, got {v!r}")
+    if not greedy and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(
+            f"generate: temperature: expected a float > 0 when sampling (greedy=False), got "
+            f"{temperature!r}"
+        )
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1) or math.isnan(top_p):
+        raise ValueError(f"generate: top_p: expected a float in (0, 1], got {top_p!r}")
+
+
+class HFGenerationEngine:
+    """transformers ``generate`` with the KV cache on left-padded batches of ``batch_size``.
+
+    ``model`` is the raw HF causal LM (under DeepSpeed the wrapped module, e.g.
+    ``engine.module.lm``). Each call runs in eval mode under ``torch.no_grad()`` (the previous
+    mode is restored) with ``use_cache=True`` whatever ``config.use_cache`` says. It samples
+    from the model's softmax shaped only by ``temperature`` and ``top_p``: ``top_k``, repetition
+    penalties, ``min_p`` etc. from ``model.generation_config`` are switched off. The pad token is
+    never generated (it is suppressed when it differs from EOS), so responses hold no padding.
+
+    Randomness: each call seeds a forked RNG with ``seed`` (the caller's CPU/accelerator RNG state
+    is unchanged afterwards). Samples depend on the call's whole batch layout, so a caller that
+    wants a prompt to get the same responses wherever it is generated (e.g. on any
+    data-parallel rank) calls once per prompt with a per-prompt seed.
+
+    ZeRO-3 (``gather_zero3=True``): parameters are gathered with
+    ``deepspeed.zero.GatheredParameters`` around each ``generate`` call, or once around several
+    calls inside ``with engine.gathered():`` (calls inside it do not gather again). Gathering is
+    a collective: every data-parallel rank must enter it the same number of times, so a rank
+    that may have nothing to generate should hold ``gathered()`` rather than rely on
+    ``generate``.
+    """
+
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, gather_zero3: bool = False):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"HFGenerationEngine: batch_size: expected an int >= 1, got {batch_size!r}"
+            )
+        if tokenizer.eos_token_id is None:
+            raise ValueError("HFGenerationEngine: tokenizer: expected an eos_token_id, got None")
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.gather_zero3 = batch_size, gather_zero3
+        self._gathering = False
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Gather ZeRO-3 partitions for the block (with ``gather_zero3``; reentrant), else
+        nothing. A collective over the data-parallel group."""
+        if not self.gather_zero3 or self._gathering:
+            yield
+            return
+        import deepspeed
+
+        self._gathering = True
+        try:
+            with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
+                yield
+        finally:
+            self._gathering = False
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -21,92 +175,55 @@ class GenerationEngine(Protocol):
         greedy: bool = False,
         seed: int = 0,
     ) -> list[list[int]]:
-        """``len(prompts) * n_samples`` responses, prompt-major, each ending with EOS (kept)
-        or exactly ``max_new_tokens`` long; never padding. Same ``seed``, same responses."""
-        ...
-
-
-def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
-    """A response up to and including its first EOS."""
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
-
-class HFGenerationEngine:
-    """transformers ``generate`` with the KV cache on left-padded batches.
-
-    ``model`` is the raw HF causal LM (for a DeepSpeed engine, the wrapped module). Under ZeRO-3
-    (``gather_zero3``) wrap calls in ``with engine.gathered():``, entered the same number of
-    times on every data-parallel rank (it is a collective). Sampling is seeded per
-    call with a forked RNG, so the caller's RNG state is unchanged.
-    """
-
-    def __init__(self, model, tokenizer, *, batch_size: int = 64, gather_zero3: bool = False):
-        self.model, self.tokenizer = model, tokenizer
-        self.batch_size, self.gather_zero3 = batch_size, gather_zero3
-
-    def gathered(self):
-        """Context that gathers ZeRO-3 partitions (with ``gather_zero3``), else nothing."""
-        if not self.gather_zero3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(self.model.parameters()))
-
-    def generate(
-        self,
-        prompts,
-        *,
-        n_samples,
-        max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
-        greedy=False,
-        seed=0,
-    ):
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        if n_samples < 1 or max_new_tokens < 1:
-            raise ValueError(
-                f"n_samples and max_new_tokens must be >= 1, got {n_samples} and {max_new_tokens}"
-            )
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        """``len(prompts) * n_samples`` responses, prompt-major, each ending with EOS (kept) when
+        produced, else exactly ``max_new_tokens`` long. ValueError on bad arguments."""
+        _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy)
         tok = self.tokenizer
-        pad, eos = tok.pad_token_id, tok.eos_token_id
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         device = next(self.model.parameters()).device
-        flat = [p for p in prompts for _ in range(n_samples)]
-        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
-        was_training = self.model.training
-        self.model.eval()
+        flat = [list(p) for p in prompts for _ in range(n_samples)]
+        flags = dict(_NEUTRAL)  # a model's generation_config must not change the distribution
+        if greedy:  # every sampling flag unset: transformers has nothing to warn about
+            flags.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            flags.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
+        if pad != eos:  # a sampled pad could not be told from padding: never sample it
+            flags["suppress_tokens"] = [pad]
         out: list[list[int]] = []
+        was_training = self.model.training
+        rng_devices = [] if device.type == "cpu" else [device]
+        self.model.eval()
         try:
             with (
-                torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+                self.gathered(),
+                torch.random.fork_rng(devices=rng_devices, device_type=device.type),
                 torch.no_grad(),
             ):
                 torch.manual_seed(seed)
                 for i in range(0, len(flat), self.batch_size):
-                    chunk = flat[i : i + self.batch_size]
-                    width = max(len(p) for p in chunk)
-                    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-                    mask = torch.zeros_like(ids)
-                    for b, p in enumerate(chunk):  # left padding
-                        ids[b, width - len(p) :] = torch.tensor(p)
-                        mask[b, width - len(p) :] = 1
-                    gen = self.model.generate(
+                    ids, mask = _left_pad(flat[i : i + self.batch_size], pad)
+                    seqs = self.model.generate(
                         input_ids=ids.to(device),
                         attention_mask=mask.to(device),
                         max_new_tokens=max_new_tokens,
-                        do_sample=not greedy,
                         use_cache=True,
                         pad_token_id=pad,
                         eos_token_id=eos,
-                        **sampling,
+                        **flags,
                     )
-                    for row in gen[:, width:].tolist():
-                        out.append(cut_at_eos(row, eos))
+                    out += split_responses(seqs.cpu(), ids.shape[1], eos, pad)
         finally:
             self.model.train(was_training)
         return out
+
+
+def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, both ``(B, max_len)`` long, padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[b, width - len(p) :] = 1
+    return ids, mask
