@@ -58,9 +58,10 @@ def _biased(model, token: int) -> nn.Module:
     return m
 
 
-# a typical hub generation_config.json (sampling defaults the engine must override)
+# a hub generation_config.json's sampling defaults (exaggerated so that they show on the random
+# tiny model), which the engine must override
 HUB_DEFAULTS = dict(
-    do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.3, min_p=0.05
+    do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=5.0, min_p=0.5
 )
 
 
