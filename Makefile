@@ -30,7 +30,7 @@ test: install
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 demo: install
-	$(BIN)/python -m trainers.packing_demo
+	$(BIN)/python -m trainers.demo
 
 bench: install
 	$(BIN)/python -m pytest bench --benchmark-only --benchmark-json=bench/results/latest-raw.json

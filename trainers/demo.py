@@ -1,0 +1,106 @@
+"""``make demo``: the RLHF pipeline on a CPU in a few minutes, with the bundled tiny Llama.
+
+1. SFT warm start (``trainers.sft``) on the bundled string tasks, so the model answers in the
+   right format (a letter, a word or a number, then EOS);
+2. RL (``trainers.ppo``, GRPO) on "first letter: <word>" prompts with fresh random words,
+   scored per character against the answer by ``trainers.rewards:reverse_reward``: the
+   warm-started model is right about a quarter of the time, RL raises that;
+3. a table of the sampled and greedy rewards before and after RL, and the plot
+   ``runs/demo/ppo/metrics.png``.
+
+Every stage is the real trainer program run as a subprocess (the command is printed), so the
+demo shows what a user types. Exits 1 if RL did not raise the mean reward by ``--min-gain``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TEMPLATE = ["--input-template", "{} ="]
+
+
+def run(module: str, args: list[str]) -> float:
+    cmd = [sys.executable, "-m", f"trainers.{module}", *args]
+    print("$ " + " ".join(shlex.quote(c) for c in ["python", *cmd[1:]]), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t0
+
+
+def write_prompts(path: Path, n: int = 1000, seed: int = 123) -> Path:
+    """``first letter: <word>`` prompts (3-8 random lowercase letters) and their answers."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for _ in range(n):
+            word = "".join(
+                rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8))
+            )
+            f.write(json.dumps({"prompt": f"first letter: {word}", "target": word[0]}) + "\n")
+    return path
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m trainers.demo",
+        description="SFT warm start, then GRPO on 'first letter: <word>' with a per-character "
+        "reward; prints the reward before and after RL. Exits 1 if the mean sampled reward of "
+        "the last three steps is not at least --min-gain above the first three.",
+    )
+    p.add_argument("--output-dir", default="runs/demo", help="where both runs write")
+    p.add_argument("--sft-steps", type=int, default=600, help="SFT warm-start steps")
+    p.add_argument("--rl-steps", type=int, default=40, help="RL steps (rollout batches)")
+    p.add_argument("--seed", type=int, default=1, help="seed of both runs")
+    p.add_argument("--min-gain", type=float, default=0.2, help="required reward gain")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.output_dir)
+    seed = ["--seed", str(args.seed)]
+    t_sft = run("sft", [
+        "--output-dir", str(out / "sft"), "--max-steps", str(args.sft_steps), "--epochs", "20",
+        "--batch-size", "32", "--lr", "3e-3", "--max-len", "64", "--eval-ratio", "0.02",
+        "--logger", "none", *seed, *TEMPLATE,
+    ])  # fmt: skip
+    prompts = write_prompts(out / "prompts_first_letter.jsonl")
+    t_rl = run("ppo", [
+        "--model", str(out / "sft" / "model"), "--output-dir", str(out / "ppo"),
+        "--dataset", str(prompts), "--reward-fn", "trainers.rewards:reverse_reward",
+        "--max-steps", str(args.rl_steps), "--advantage-estimator", "grpo",
+        "--n-samples-per-prompt", "8", "--rollout-batch-size", "16", "--batch-size", "32",
+        "--lr", "1e-3", "--temperature", "0.7", "--eval-steps", str(args.rl_steps),
+        "--logger", "tensorboard", *seed, *TEMPLATE,
+    ])  # fmt: skip
+    m = read(out / "ppo")
+    first = sum(x["reward_mean"] for x in m[:3]) / 3
+    last = sum(x["reward_mean"] for x in m[-3:]) / 3
+    evals = [x["eval_reward"] for x in m if "eval_reward" in x]
+    print()
+    print(f"{'':<36}{'before RL':>10}{'after RL':>10}")
+    print(f"{'sampled reward (mean of 3 steps)':<36}{first:>10.3f}{last:>10.3f}")
+    print(f"{'greedy reward (held-out prompts)':<36}{evals[0]:>10.3f}{evals[-1]:>10.3f}")
+    plot = out / "ppo" / "metrics.png"
+    print(f"\nSFT {t_sft:.0f} s, RL {t_rl:.0f} s ({len(m)} steps); plot: {plot}")
+    result = {"first": first, "last": last, "evals": evals}
+    if last - first < args.min_gain:
+        print(f"FAIL: reward gain {last - first:.3f} < --min-gain {args.min_gain}", file=sys.stderr)
+        raise SystemExit(1)
+    print(f"OK: RL raised the mean sampled reward by {last - first:.3f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
