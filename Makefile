@@ -13,7 +13,7 @@ DEPS    := setuptools wheel torch==2.13.0 triton transformers==5.23.0 deepspeed=
 # time, into $(VENV)/torch_extensions (where the trainers look), so runs and tests do not wait.
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench lint format clean
+.PHONY: install test demo bench gpu-check lint format clean
 
 install: $(STAMP)
 
@@ -35,6 +35,17 @@ demo: install
 bench: install
 	$(BIN)/python -m pytest bench --benchmark-only --benchmark-json=bench/results/latest-raw.json
 	$(BIN)/python bench/report.py
+
+# On a CUDA machine, with its own python (torch + triton + nvcc already there, no network
+# needed): build the native ops in place, run the GPU tests on compiled kernels, then the GPU
+# benchmarks -> bench/results/gpu-check-<gpu>-<date>.{json,md}. About 10 minutes on one H100.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) setup.py -q build_ext --inplace
+	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" \
+	    --ignore-glob='tests/test_trainer*' --ignore-glob='tests/test_*demo.py' \
+	    --ignore=tests/test_ppo.py
+	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) bench/gpu_check.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -185,8 +185,17 @@ def build(method: str, case: Case, batch: dict, mode: str):
 
         maxlen = max(lengths)
 
+        import inspect
+
+        params = inspect.signature(varlen_attn).parameters  # changed across torch releases
+        kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        if gqa and "enable_gqa" not in params:
+            raise Skip("this torch's varlen_attn has no GQA")
+        if gqa:
+            kw["enable_gqa"] = True
+
         def run():
-            return varlen_attn(q, k, v, cu, cu, maxlen, maxlen, window_size=(-1, 0), enable_gqa=gqa)
+            return varlen_attn(q, k, v, cu, cu, maxlen, maxlen, **kw)
 
         return run, ident, ident, (q, k, v), batch["dout"], extra
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -72,3 +73,11 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     if len(set(devices.values())) > 1:
         given = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"all tensors must be on the same device, got {given}")
+
+
+def device_guard(t: torch.Tensor):
+    """Context for a kernel launch on ``t``'s device: Triton launches on the *current* CUDA
+    device, so a tensor on another GPU would fault without this."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()

@@ -1,12 +1,16 @@
 import os
 
-# Triton kernels run under the interpreter on CPU; must be set before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Triton kernels run under the interpreter only where there is no GPU (it must be set before
+# triton is imported). With CUDA the compiled kernels run; RLHF_KERNELS_INTERPRET=1 forces the
+# interpreter anyway (to run the CPU suite on a GPU machine).
+if not torch.cuda.is_available() or os.environ.get("RLHF_KERNELS_INTERPRET") == "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -244,3 +244,39 @@ def _cuda_cases(dim):
 def test_cuda_larger_shapes(dtype, dim):
     for case in _cuda_cases(dim):
         _check(case, dtype, device="cuda", fp32_tol=2e-5)
+
+
+def _tf32(flag: bool):
+    """Set torch's TF32 matmul flag; returns the old value (cuBLASModule is not monkeypatchable)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = flag
+    return old
+
+
+def test_fp32_dot_precision_follows_torch_tf32_flag():
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    old = _tf32(False)
+    try:
+        assert vt._dot_meta(torch.float32)["DOT_PREC"] == "ieee"
+        _tf32(True)
+        assert vt._dot_meta(torch.float32)["DOT_PREC"] == "tf32"
+        assert vt._dot_meta(torch.float16)["DOT_PREC"] == "tf32"  # tensor-core dots either way
+    finally:
+        _tf32(old)
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_exact_by_default_tf32_on_request():
+    """Compiled fp32: exact products by default (error ~1e-6), TF32 when torch allows it."""
+    case = ("causal", [300, 200], None, 4, 2, 64, True, (-1, -1), 0.0)
+    old = _tf32(False)
+    try:
+        got, ref, _ = _compare(case, torch.float32, device="cuda")
+        exact = max(_max_err(a, r, n) for a, r, n in zip(got, ref, NAMES))
+        _tf32(True)
+        got, ref, _ = _compare(case, torch.float32, device="cuda")
+        tf32 = max(_max_err(a, r, n) for a, r, n in zip(got, ref, NAMES))
+    finally:
+        _tf32(old)
+    assert exact < 2e-5 < tf32 < 5e-2, (exact, tf32)

@@ -23,8 +23,19 @@ When the result is a scalar loss the upstream gradient is one number, so ``linea
 Chunk rule (``_chunk_sizes``): a block budget of ``B = max(T * H, 2**22)`` fp32 elements (as
 large as the hidden states themselves, at least 16 MiB). Vocab chunk ``Vc = min(V, B // H)``
 rounded down to a multiple of 128 (so the fp32 ``dweight`` accumulator ``(Vc, H)`` also fits
-the budget), token chunk ``Tc = clamp(B // Vc, 16, T)``. Matmuls run in the input dtype
-(fp32 accumulation inside), everything after them in fp32.
+the budget), token chunk ``Tc = clamp(B // Vc, 16, T)``. The budget is capped at ``2**27``
+elements (512 MiB per fp32 block), so temporaries stay bounded at any ``T x H``: two blocks, the
+fp32 ``dhidden`` and one ``(Vc, H)`` fp32 accumulator.
+
+Precision: logits blocks are always fp32. Low-precision (bf16/fp16) operands are multiplied with
+fp32 output (``torch.mm(..., out_dtype=torch.float32)`` on CUDA, an fp32 upcast on CPU), never
+rounded to bf16 logits first (a bf16 logit of 30 is off by up to 0.125). On CUDA one Triton pass
+per block does the softmax bookkeeping (forward) or forms ``dU`` (backward) instead of several
+torch passes.
+
+Labels equal to ``ignore_index`` (default -100) get ``logp = 0`` and no gradient through it; the
+losses leave those tokens out. Other out-of-range labels: ValueError where checked (CPU, or
+``RLHF_KERNELS_DEBUG=1``), a NaN result otherwise.
 """
 
 from __future__ import annotations
@@ -34,53 +45,166 @@ import os
 
 import torch
 
+from rlhf_kernels._checks import device_guard
+from rlhf_kernels.ops.logprobs import IGNORE_INDEX, check_label_range, fix_masked, mask_labels
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional (CUDA fast path only)
+    triton = None
+
 _MIN_BUDGET = 1 << 22
+_MAX_BUDGET = 1 << 27
 _NEG = torch.finfo(torch.float32).min  # stands in for -inf where 0 * -inf would give NaN
 # Label range check: a host sync per call. Always on CPU; on CUDA only with RLHF_KERNELS_DEBUG=1.
 CHECK_LABELS_ON_CUDA = os.environ.get("RLHF_KERNELS_DEBUG", "0") == "1"
 
 
 def _chunk_sizes(T: int, H: int, V: int) -> tuple[int, int]:
-    budget = max(T * H, _MIN_BUDGET)
+    budget = min(max(T * H, _MIN_BUDGET), _MAX_BUDGET)
     vc = min(V, max(128, (budget // max(H, 1)) // 128 * 128))
     tc = max(1, min(T, max(16, budget // vc)))
     return tc, vc
 
 
 # ----------------------------------------------------------------------------- reference
-def linear_logprobs_reference(hidden, weight, labels, bias=None, temperature=1.0):
-    """Naive math (full logits), in the inputs' dtype: (logp, entropy)."""
+def linear_logprobs_reference(
+    hidden, weight, labels, bias=None, temperature=1.0, ignore_index=IGNORE_INDEX
+):
+    """Naive math (full logits), in the inputs' dtype: (logp, entropy); logp 0 where ignored."""
     logits = hidden @ weight.T
     if bias is not None:
         logits = logits + bias
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
-    logp = logp_all.gather(-1, labels[:, None]).squeeze(-1)
+    ignored = labels == ignore_index
+    logp = logp_all.gather(-1, labels.masked_fill(ignored, 0)[:, None]).squeeze(-1)
+    logp = logp.masked_fill(ignored, 0.0)
     p = logp_all.exp()  # p log p = 0 where p = 0 (-inf logits)
     return logp, -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 # ----------------------------------------------------------------------------- blocks
+_F32_OUT: dict = {}  # device type -> whether mm with out_dtype=float32 works for low precision
+
+
+def _mm_f32(a, b, out, add=None, alpha=1.0, beta=1.0):
+    """``out = beta * add + alpha * (a @ b)`` in fp32 (``out`` fp32; ``add`` fp32 or None).
+
+    fp32 operands: one BLAS call. bf16/fp16 on CUDA: cuBLAS with fp32 output (products and
+    accumulation in fp32, no rounding of the result to bf16); elsewhere an fp32 upcast.
+    """
+    if a.dtype != torch.float32:
+        key = a.device.type
+        if _F32_OUT.get(key, a.is_cuda):
+            try:
+                if add is None:
+                    torch.mm(a, b, out_dtype=torch.float32, out=out)
+                    return out.mul_(alpha) if alpha != 1.0 else out
+                return torch.addmm(
+                    add, a, b, out_dtype=torch.float32, alpha=alpha, beta=beta, out=out
+                )
+            except (RuntimeError, TypeError):
+                _F32_OUT[key] = False
+        a, b = a.float(), b.float()
+    if add is None:
+        torch.mm(a, b, out=out)
+        return out.mul_(alpha) if alpha != 1.0 else out
+    return torch.addmm(add, a, b, alpha=alpha, beta=beta, out=out)
+
+
 def _block(buf, hc, wc, b_s, inv_tau, lse=None):
     """``buf``'s first ``n * nv`` floats as ``(n, nv)`` = ``(hc @ wc.T + b) / tau [- lse]``, fp32.
 
-    Reusing one preallocated buffer avoids a fresh (page-faulted) allocation per block; for fp32
-    the ``1/tau`` scale goes onto ``hc`` ``(n, H)`` and ``-lse`` into the matmul's epilogue.
+    Reusing one preallocated buffer avoids a fresh (page-faulted) allocation per block; the
+    ``1/tau`` scale and ``-lse`` go into the matmul's epilogue.
     """
     n, nv = hc.shape[0], wc.shape[0]
     u = buf.view(-1)[: n * nv].view(n, nv)
-    if hc.dtype == torch.float32:
-        hs = hc * inv_tau if inv_tau != 1.0 else hc
-        if lse is None:
-            torch.mm(hs, wc.T, out=u)
-        else:
-            torch.addmm(lse[:, None], hs, wc.T, beta=-1.0, out=u)
-    else:  # low precision: matmul in the input dtype, everything after in fp32
-        torch.mul(hc @ wc.T, inv_tau, out=u)
-        if lse is not None:
-            u.sub_(lse[:, None])
+    if lse is None:
+        _mm_f32(hc, wc.T, u, alpha=inv_tau)
+    else:
+        _mm_f32(hc, wc.T, u, add=lse[:, None].expand(n, nv), alpha=inv_tau, beta=-1.0)
     if b_s is not None:
         u.add_(b_s)
     return u
+
+
+if triton is not None:
+    # fmt: off
+    @triton.jit
+    def _stats_kernel(U, stride_u, nv, LAB, M, S, TT, ULAB, WANT_ENT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """One row of a fp32 logits block: online update of the running max ``m``, ``s = sum
+        exp(u - m)``, ``t = sum exp(u - m) (u - m)``, and pick ``u[label]`` if it is here."""
+        r = tl.program_id(0)
+        row = U + r.to(tl.int64) * stride_u
+        m = tl.load(M + r)
+        s = tl.load(S + r)
+        t = tl.load(TT + r)
+        lab = tl.load(LAB + r)  # label - v0 (outside [0, nv): not in this block)
+        cols = tl.arange(0, BLOCK)
+        for c0 in range(0, nv, BLOCK):
+            ok = c0 + cols < nv
+            u = tl.load(row + c0 + cols, mask=ok, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(u, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            live = m > float("-inf")
+            scale = tl.where(live, tl.exp(m - m_safe), 0.0)
+            d = tl.maximum(u - m_safe, -3.0e38)  # e * d = 0 (not NaN) where e = 0
+            e = tl.exp(d)
+            if WANT_ENT:
+                shift = tl.where(live, m - m_safe, 0.0)
+                t = scale * (t + shift * s) + tl.sum(e * d, 0)
+            s = s * scale + tl.sum(e, 0)
+            m = m_new
+        tl.store(M + r, m)
+        tl.store(S + r, s)
+        tl.store(TT + r, t)
+        here = (lab >= 0) & (lab < nv)
+        u_lab = tl.load(row + tl.where(here, lab, 0))
+        tl.store(ULAB + r, tl.load(ULAB + r) + tl.where(here, u_lab, 0.0))
+
+    @triton.jit
+    def _grad_kernel(LOGP, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, LSE,
+                     HAS_ENT: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: ``dU = g_lp * (onehot - p) - g_ent * p * (log p + H)`` from ``log p``
+        (fp32; ``u - lse`` when HAS_LSE), written in G's dtype (the gradient matmuls' dtype)."""
+        r = tl.program_id(0)
+        src = LOGP + r.to(tl.int64) * stride_u
+        dst = G + r.to(tl.int64) * stride_g
+        g_lp = tl.load(GLP + r)
+        lab = tl.load(LAB + r)
+        if HAS_ENT:
+            g_ent = tl.load(GENT + r)
+            ent = tl.load(ENT + r)
+        lse = 0.0
+        if HAS_LSE:
+            lse = tl.load(LSE + r)
+        cols = tl.arange(0, BLOCK)
+        for c0 in range(0, nv, BLOCK):
+            idx = c0 + cols
+            ok = idx < nv
+            lp = tl.maximum(tl.load(src + idx, mask=ok, other=0.0) - lse, -3.0e38)
+            p = tl.exp(lp)
+            g = tl.where(idx == lab, g_lp, 0.0) - p * g_lp
+            if HAS_ENT:
+                g -= g_ent * p * (lp + ent)
+            tl.store(dst + idx, g.to(G.dtype.element_ty), mask=ok)
+    # fmt: on
+
+
+def _use_triton(h) -> bool:
+    """The Triton block passes run on CUDA (``RLHF_KERNELS_LINEAR_TRITON=1`` forces them, e.g.
+    under ``TRITON_INTERPRET=1`` in tests; ``=0`` turns them off)."""
+    flag = os.environ.get("RLHF_KERNELS_LINEAR_TRITON")
+    if triton is None or flag == "0":
+        return False
+    return flag == "1" or h.is_cuda
+
+
+def _row_block(nv: int) -> int:
+    return min(4096, triton.next_power_of_2(max(nv, 16)))
 
 
 def _view(buf, like):
@@ -97,7 +221,8 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy):
     lse = torch.empty(T, dtype=torch.float32, device=h.device)
     logp, ent = torch.empty_like(lse), torch.empty_like(lse)
     buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
-    buf_e = torch.empty_like(buf_u)
+    fast = _use_triton(h)
+    buf_e = None if fast else torch.empty_like(buf_u)
     for t0 in range(0, T, tc):
         hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
         n = hc.shape[0]
@@ -106,6 +231,13 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy):
         for v0 in range(0, V, vc):
             bc = None if b_s is None else b_s[v0 : v0 + vc]
             u = _block(buf_u, hc, w[v0 : v0 + vc], bc, inv_tau)
+            if fast:
+                nv = u.shape[1]
+                _stats_kernel[(n,)](
+                    u, u.stride(0), nv, lab - v0, m, s, t, u_lab, WANT_ENT=want_entropy,
+                    BLOCK=_row_block(nv),
+                )  # fmt: skip
+                continue
             col, here = _label_in_chunk(lab, v0, u.shape[1])
             u_lab += torch.where(here, u.gather(1, col)[:, 0], 0.0)
             m_new = torch.maximum(m, u.amax(1))
@@ -140,18 +272,15 @@ def _new_grads(h, w, needs):
 
 
 def _accumulate(g, hc, wc, dh_c, acc):
-    """dh_c += g @ wc, acc += g.T @ hc (fp32 accumulators; g fp32 (n, nv))."""
-    gd = g if hc.dtype == torch.float32 else g.to(hc.dtype)
+    """dh_c += g @ wc, acc += g.T @ hc (fp32 accumulators; g (n, nv) fp32 or hc's dtype).
+
+    Low precision: dU is rounded to hc's dtype for the tensor-core matmuls (as the naive
+    backward does), products are accumulated into the fp32 accumulators directly."""
+    gd = g if g.dtype == hc.dtype else g.to(hc.dtype)
     if dh_c is not None:
-        if gd.dtype == torch.float32:
-            dh_c.addmm_(gd, wc)
-        else:
-            dh_c += (gd @ wc).float()
+        _mm_f32(gd, wc, dh_c, add=dh_c)
     if acc is not None:
-        if gd.dtype == torch.float32:
-            acc.addmm_(gd.T, hc)
-        else:
-            acc += (gd.T @ hc).float()
+        _mm_f32(gd.T, hc, acc, add=acc)
 
 
 def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
@@ -163,10 +292,12 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
     T, H = h.shape
     V = w.shape[0]
     dh, dw, db = _new_grads(h, w, needs)
-    g_lp = g_lp * inv_tau  # d u / d z = 1 / tau folded into the upstream gradients
-    g_ent = None if g_ent is None else g_ent * inv_tau
+    g_lp = (g_lp * inv_tau).contiguous()  # d u / d z = 1 / tau folded into the upstream grads
+    g_ent = None if g_ent is None else (g_ent * inv_tau).contiguous()
     buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
-    buf_p = torch.empty_like(buf_u)
+    fast = _use_triton(h)
+    # fast path: dU is written straight in the matmul dtype
+    buf_p = torch.empty(buf_u.numel(), dtype=h.dtype if fast else torch.float32, device=h.device)
     for v0 in range(0, V, vc):
         wc = w[v0 : v0 + vc]
         bc = None if b_s is None else b_s[v0 : v0 + vc]
@@ -179,16 +310,25 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
             sl = slice(t0, t0 + hc.shape[0])
             logp = _block(buf_u, hc, wc, bc, inv_tau, lse=lse[sl])  # (n, nv) log p
-            p = torch.exp(logp, out=_view(buf_p, logp))
-            if g_ent is not None:  # -g_ent * p * (log p + H) - g_lp * p; p = 0 at log p = -inf
-                g = logp.clamp_(min=_NEG).add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
-                g.addcmul_(p, g_lp[sl, None], value=-1.0)
+            if fast:
+                g = _view(buf_p, logp)
+                has_ent = g_ent is not None
+                _grad_kernel[(logp.shape[0],)](
+                    logp, logp.stride(0), g, g.stride(0), nv, lab - v0, g_lp[sl],
+                    g_ent[sl] if has_ent else g_lp[sl], ent[sl] if has_ent else g_lp[sl],
+                    g_lp[sl], HAS_ENT=has_ent, HAS_LSE=False, BLOCK=_row_block(nv),
+                )  # fmt: skip
             else:
-                g = p.mul_(-g_lp[sl, None])
-            col, here = _label_in_chunk(lab, v0, nv)
-            g.scatter_add_(1, col, torch.where(here, g_lp[sl], 0.0)[:, None])
+                p = torch.exp(logp, out=_view(buf_p, logp))
+                if g_ent is not None:  # -g_ent p (log p + H) - g_lp p; p = 0 at log p = -inf
+                    g = logp.clamp_(min=_NEG).add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
+                    g.addcmul_(p, g_lp[sl, None], value=-1.0)
+                else:
+                    g = p.mul_(-g_lp[sl, None])
+                col, here = _label_in_chunk(lab, v0, nv)
+                g.scatter_add_(1, col, torch.where(here, g_lp[sl], 0.0)[:, None])
             if db is not None:
-                db[v0 : v0 + nv] += g.sum(0)
+                db[v0 : v0 + nv] += g.sum(0, dtype=torch.float32)
             _accumulate(g, hc, wc, None if dh is None else dh[sl], acc)
         if dw is not None and w.dtype != torch.float32:
             dw[v0 : v0 + nv] = acc
@@ -212,7 +352,8 @@ class _LinearLogProbs(torch.autograd.Function):
     def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc):
         inv_tau = 1.0 / tau
         b_s = _scaled_bias(b, inv_tau)
-        logp, ent, lse = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy)
+        with device_guard(h):
+            logp, ent, lse = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy)
         ctx.save_for_backward(h, w, b, labels, lse, ent)
         ctx.cfg = (inv_tau, tc, vc)
         return logp, ent
@@ -228,20 +369,21 @@ class _LinearLogProbs(torch.autograd.Function):
             ctx.needs_input_grad[1],
             b is not None and ctx.needs_input_grad[2],
         )
-        dh, dw, db = _backward(
-            h,
-            w,
-            _scaled_bias(b, inv_tau),
-            labels,
-            inv_tau,
-            tc,
-            vc,
-            lse,
-            ent,
-            g_lp.float(),
-            None if g_ent is None else g_ent.float(),
-            needs,
-        )
+        with device_guard(h):
+            dh, dw, db = _backward(
+                h,
+                w,
+                _scaled_bias(b, inv_tau),
+                labels,
+                inv_tau,
+                tc,
+                vc,
+                lse,
+                ent,
+                g_lp.float(),
+                None if g_ent is None else g_ent.float(),
+                needs,
+            )
         return (*_cast_grads(dh, dw, db, h, b), None, None, None, None, None)
 
 
@@ -263,32 +405,46 @@ class _FusedLinearLoss(torch.autograd.Function):
         b_s = _scaled_bias(b, inv_tau)
         ng = ctx.needs_input_grad  # grad mode and requires_grad, as seen by autograd
         needs = (ng[0], ng[1], b is not None and ng[2])
-        dh, dw, db = _new_grads(h, w, needs)
+        # dhidden rows are final after their chunk (whole vocabulary per block): input dtype
+        dh = torch.empty_like(h) if needs[0] else None
+        _, dw, db = _new_grads(h, w, (False, needs[1], needs[2]))
         acc = None
         if dw is not None:  # fp32 accumulator (in place for fp32 weights)
             acc = dw.zero_() if w.dtype == torch.float32 else torch.zeros(V, H, device=h.device)
+        fast = _use_triton(h)
         buf_u = torch.empty(min(tc, T) * V, dtype=torch.float32, device=h.device)
-        buf_p = torch.empty_like(buf_u)
+        # dU: written by the Triton pass in the matmul dtype, or computed in place in fp32
+        buf_p = torch.empty(buf_u.numel(), dtype=h.dtype, device=h.device) if fast else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        for t0 in range(0, T, tc):
-            hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
-            sl = slice(t0, t0 + hc.shape[0])
-            u = _block(buf_u, hc, w, b_s, inv_tau)
-            u.sub_(u.amax(1, keepdim=True))
-            p = torch.exp(u, out=_view(buf_p, u))
-            s = p.sum(1)
-            logp = (u.gather(1, lab[:, None])[:, 0] - torch.log(s)).requires_grad_(any(needs))
-            with torch.enable_grad():
-                part = token_loss(logp, sl)
-            loss += part.detach().float()
-            if any(needs):
+        with device_guard(h):
+            for t0 in range(0, T, tc):
+                hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
+                sl = slice(t0, t0 + hc.shape[0])
+                u = _block(buf_u, hc, w, b_s, inv_tau)
+                logp, lse, p_sum = _chunk_logp(u, lab, fast)
+                logp.requires_grad_(any(needs))
+                with torch.enable_grad():
+                    part = token_loss(logp, sl)
+                loss += part.detach().float()
+                if not any(needs):
+                    continue
                 (g_lp,) = torch.autograd.grad(part, logp)
-                g_lp = g_lp.float() * inv_tau
-                g = p.mul_((-g_lp / s)[:, None])  # -g_lp * softmax / tau
-                g.scatter_add_(1, lab[:, None], g_lp[:, None])
+                g_lp = (g_lp.float() * inv_tau).contiguous()
+                if fast:
+                    g = _view(buf_p, u)
+                    _grad_kernel[(u.shape[0],)](
+                        u, u.stride(0), g, g.stride(0), V, lab, g_lp, g_lp, g_lp, lse,
+                        HAS_ENT=False, HAS_LSE=True, BLOCK=_row_block(V),
+                    )  # fmt: skip
+                else:  # u holds exp(u - max) here
+                    g = u.mul_((-g_lp / p_sum)[:, None])  # -g_lp * softmax / tau
+                    g.scatter_add_(1, lab[:, None], g_lp[:, None])
                 if db is not None:
-                    db += g.sum(0)
-                _accumulate(g, hc, w, None if dh is None else dh[sl], acc)
+                    db += g.sum(0, dtype=torch.float32)
+                gd = g if g.dtype == h.dtype else g.to(h.dtype)
+                if dh is not None:
+                    torch.mm(gd, w, out=dh[sl])
+                _accumulate(gd, hc, w, None, acc)
         if dw is not None and w.dtype != torch.float32:
             dw.copy_(acc)
         ctx.save_for_backward(*_cast_grads(dh, dw, db, h, b))
@@ -300,11 +456,35 @@ class _FusedLinearLoss(torch.autograd.Function):
         return tuple(None if t is None else t * g.to(t.dtype) for t in (dh, dw, db)) + (None,) * 4
 
 
+def _chunk_logp(u, lab, fast):
+    """Per-row ``(logp, lse, s)`` of a full-vocabulary fp32 block ``u`` ``(n, V)``.
+
+    Fast (Triton) path: one read of ``u``, which is left as is (``s`` None). Torch path:
+    ``u`` becomes ``exp(u - max)`` in place and ``s`` its row sums (``lse`` None)."""
+    n = u.shape[0]
+    if fast:
+        m = torch.full((n,), -math.inf, dtype=torch.float32, device=u.device)
+        s, t, u_lab = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+        _stats_kernel[(n,)](
+            u, u.stride(0), u.shape[1], lab, m, s, t, u_lab, WANT_ENT=False,
+            BLOCK=_row_block(u.shape[1]),
+        )  # fmt: skip
+        lse = m + torch.log(s)
+        return u_lab - lse, lse, None
+    mx = u.amax(1, keepdim=True)
+    u_lab = u.gather(1, lab[:, None])[:, 0] - mx[:, 0]
+    p = torch.exp(u.sub_(mx), out=u)
+    s = p.sum(1)
+    return u_lab - torch.log(s), None, s
+
+
 def _fits_one_pass(T: int, H: int, V: int, dtype: torch.dtype) -> tuple[bool, int]:
-    """Whole vocabulary in one block, and the fp32 dweight accumulator free or within budget."""
-    tc, vc = _chunk_sizes(T, H, V)
-    ok = vc == V and (dtype == torch.float32 or V * H <= max(T * H, _MIN_BUDGET))
-    return ok, tc
+    """Gradients in the forward (3 matmuls, Liger-style) when a block of ``tc >= min(T, 32)``
+    tokens x the whole vocabulary fits the block budget. Its fp32 dweight accumulator is
+    ``(V, H)`` (twice a bf16 weight gradient; none for fp32 weights)."""
+    budget = min(max(T * H, _MIN_BUDGET), _MAX_BUDGET)
+    tc = min(T, budget // max(V, 1))
+    return tc >= min(T, 32), max(tc, 1)
 
 
 def _grad_wanted(*tensors) -> bool:
@@ -323,7 +503,7 @@ def _logprobs_no_grad(hidden, weight, labels, bias, temperature):
 
 
 # ----------------------------------------------------------------------------- API
-def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab):
+def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index):
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(
@@ -354,12 +534,7 @@ def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab)
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if c is not None and c < 1:
             raise ValueError(f"{name} must be >= 1, got {c}")
-    if labels.numel() and (not labels.is_cuda or CHECK_LABELS_ON_CUDA):
-        lo, hi = torch.aminmax(labels)
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ValueError(
-                f"labels must lie in [0, {weight.shape[0]}), got values in [{int(lo)}, {int(hi)}]"
-            )
+    check_label_range(labels, weight.shape[0], ignore_index, CHECK_LABELS_ON_CUDA)
 
 
 def linear_logprobs(
@@ -372,30 +547,36 @@ def linear_logprobs(
     *,
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
+    ignore_index: int | None = IGNORE_INDEX,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax((hidden @ weight.T + bias) / temperature).gather(labels)`` without logits.
 
     Args:
         hidden: ``(T, H)`` float32/bfloat16/float16 final hidden states (differentiable).
         weight: ``(V, H)`` lm_head weight, hidden's dtype (differentiable).
-        labels: int64 ``(T,)`` target token ids in ``[0, V)`` (checked on CPU; on CUDA, where
-            the check is a host sync, only with ``RLHF_KERNELS_DEBUG=1``).
+        labels: int64 ``(T,)`` target token ids in ``[0, V)`` or ``ignore_index`` (checked on
+            CPU; on CUDA, where the check is a host sync, only with ``RLHF_KERNELS_DEBUG=1``,
+            and an out-of-range label gives NaN there).
         bias: optional ``(V,)`` lm_head bias, weight's dtype (differentiable).
         temperature: > 0, divides the logits.
         return_entropy: also return the per-token entropy of the tempered distribution.
         chunk_tokens, chunk_vocab: override the block shape (default: the rule in the module
             docstring, ``_chunk_sizes``).
+        ignore_index: labels with this value get ``logp = 0`` and no gradient through it
+            (entropy is still computed there); ``None``: every label is a token id.
     Returns:
         ``logp`` ``(T,)`` float32, or ``(logp, entropy)`` both ``(T,)`` float32. Gradients flow
         to hidden, weight and bias; they are accumulated in fp32 and returned in input dtype.
     """
-    _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab)
+    _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index)
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0])
     tc, vc = chunk_tokens or tc, chunk_vocab or vc
+    lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
     logp, ent = _LinearLogProbs.apply(
-        hidden, weight, bias, labels.long(), float(temperature), return_entropy, tc, vc
+        hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc
     )
+    logp = fix_masked(logp, ignored, bad)
     return (logp, ent) if return_entropy else logp
 
 
@@ -406,32 +587,28 @@ def linear_nll_loss(
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    ignore_index: int | None = IGNORE_INDEX,
 ) -> torch.Tensor:
     """SFT loss without logits: ``-sum(mask * logp) / sum(mask)``.
 
     Args: as :func:`linear_logprobs`; ``mask`` ``(T,)`` 0/1 (bool or numeric) selects the tokens
-    that count (default: all). Returns a float32 scalar (0 when the mask is empty).
+    that count (default: all); tokens whose label is ``ignore_index`` never count (as in
+    ``F.cross_entropy``). Returns a float32 scalar (0 when no token counts).
     When the whole vocabulary fits one block (``_chunk_sizes``) and the fp32 weight-gradient
     accumulator is free (fp32 weight) or within the block budget, gradients are computed in the
     forward pass (``_LinearNLL``, 3 matmuls); otherwise this is ``linear_logprobs`` + a sum.
     """
-    _check(hidden, weight, labels, bias, temperature, None, None)
+    _check(hidden, weight, labels, bias, temperature, None, None, ignore_index)
     T, H = hidden.shape
     V = weight.shape[0]
     if mask is not None and mask.shape != (T,):
         raise ValueError(f"mask must have shape ({T},), got {tuple(mask.shape)}")
+    lab, ignored, bad = mask_labels(labels, V, ignore_index)
     m = torch.ones(T, device=hidden.device) if mask is None else mask.to(torch.float32)
+    if ignored is not None:
+        m = m.masked_fill(ignored, 0.0)
     wt = m / m.sum().clamp_min(1.0)  # per-token weight of -logp in the loss
-    if not _grad_wanted(hidden, weight, bias):  # forward only: no gradients made or saved
-        return -(_logprobs_no_grad(hidden, weight, labels, bias, temperature) * wt).sum()
-    one_pass, tc = _fits_one_pass(T, H, V, weight.dtype)
-    if one_pass:
-        nll = lambda logp, sl: -(wt[sl] * logp).sum()
-        return _FusedLinearLoss.apply(
-            hidden, weight, bias, labels.long(), float(temperature), tc, nll
-        )
-    # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
-    return -(linear_logprobs(hidden, weight, labels, bias, temperature) * wt).sum()
+    return _nan_if_bad(_scalar_loss(hidden, weight, bias, lab, temperature, wt, None), bad, wt)
 
 
 def linear_policy_loss(
@@ -449,6 +626,7 @@ def linear_policy_loss(
     dual_clip: float | None = None,
     aggregation: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
+    ignore_index: int | None = IGNORE_INDEX,
 ) -> torch.Tensor:
     """PPO clipped loss straight from hidden states: lm_head -> log-prob -> ``policy_loss``.
 
@@ -460,20 +638,23 @@ def linear_policy_loss(
             boundaries for the sequence-level aggregations (default: one sequence).
         clip_low, clip_high, dual_clip, aggregation: as
             :func:`rlhf_kernels.ops.losses.policy_loss`.
+        ignore_index: tokens with this label are left out (as if masked).
     Returns: float32 scalar, equal to ``policy_loss(linear_logprobs(...), ...)``; computed in
     one pass with gradients made during the forward when the vocabulary fits one block.
     """
     from rlhf_kernels.ops import losses
 
-    _check(hidden, weight, labels, bias, temperature, None, None)
+    _check(hidden, weight, labels, bias, temperature, None, None, ignore_index)
     losses._check_float(old_logp=old_logp, advantages=advantages)
     losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip)
-    T, H = hidden.shape
-    V = weight.shape[0]
+    T = hidden.shape[0]
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], device=hidden.device)
     ref = old_logp.float()
+    lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
     m, seq, n_seq = losses._token_layout("old_logp", ref, mask, cu_seqlens, advantages=advantages)
+    if ignored is not None:  # a token with no label does not count
+        m = m.masked_fill(ignored, 0.0) if m.is_floating_point() else m & ~ignored
     wt = losses._token_weights(m, seq, n_seq, aggregation)
     adv = advantages.float()
 
@@ -481,11 +662,26 @@ def linear_policy_loss(
         tok = losses._ppo_token_loss(logp, ref[sl], adv[sl], clip_low, clip_high, dual_clip)[0]
         return (tok * wt[sl]).sum()
 
+    return _nan_if_bad(_scalar_loss(hidden, weight, bias, lab, temperature, None, ppo), bad, wt)
+
+
+def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss):
+    """``-sum(wt * logp)`` (``token_loss`` None) or ``sum_chunks token_loss(logp_chunk, rows)``
+    for gatherable labels ``lab``: one pass with gradients made in the forward when the
+    vocabulary fits one block, else ``linear_logprobs`` + autograd; forward only without grad."""
+    T, H = hidden.shape
+    if token_loss is None:
+        token_loss = lambda logp, sl: -(wt[sl] * logp).sum()
     if not _grad_wanted(hidden, weight, bias):  # forward only: no gradients made or saved
-        return ppo(_logprobs_no_grad(hidden, weight, labels, bias, temperature), slice(0, T))
-    one_pass, tc = _fits_one_pass(T, H, V, weight.dtype)
+        return token_loss(_logprobs_no_grad(hidden, weight, lab, bias, temperature), slice(0, T))
+    one_pass, tc = _fits_one_pass(T, H, weight.shape[0], weight.dtype)
     if one_pass:
-        return _FusedLinearLoss.apply(
-            hidden, weight, bias, labels.long(), float(temperature), tc, ppo
-        )
-    return ppo(linear_logprobs(hidden, weight, labels, bias, temperature), slice(0, T))
+        return _FusedLinearLoss.apply(hidden, weight, bias, lab, float(temperature), tc, token_loss)
+    # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
+    logp = linear_logprobs(hidden, weight, lab, bias, temperature, ignore_index=None)
+    return token_loss(logp, slice(0, T))
+
+
+def _nan_if_bad(loss, bad, wt):
+    """NaN loss if a counted token has an out-of-range label (unchecked CUDA path); no sync."""
+    return loss + torch.where((bad & (wt != 0)).any(), float("nan"), 0.0)

@@ -16,6 +16,12 @@ under ``TRITON_INTERPRET=1``) and ``torch`` (row chunks of at most ``_CHUNK_ELEM
 upcast at a time). Both read the logits in place as a ``(B, S, V)`` view with two row strides
 (``_as_rows``), so the shifted slice ``logits[:, :-1]`` is neither copied nor saved twice.
 ``-inf`` logits (a masked vocabulary) have ``p = 0`` and contribute ``p log p = 0``.
+
+Labels equal to ``ignore_index`` (default -100, what collators and ``RingPlan`` labels put at
+positions with no target) get ``logp = 0`` and pass no gradient through ``logp``, on every
+backend; their entropy is still computed (it does not depend on the label). Any other label
+outside ``[0, V)`` is a ValueError where the check runs (CPU, or ``RLHF_KERNELS_DEBUG=1``) and a
+NaN log-prob otherwise (the kernels never read outside the row).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from rlhf_kernels._checks import device_guard
 
 try:
     import triton
@@ -33,19 +41,25 @@ except ImportError:  # Triton is optional
 BACKENDS = ("auto", "triton", "torch")
 _CHUNK_ELEMS = 1 << 22  # torch backend: fp32 elements upcast per row chunk (16 MiB)
 _MAX_BLOCK_V = 4096  # triton backend: vocab block per loop step
+IGNORE_INDEX = -100  # labels with this value have logp 0 and no logp gradient
 # Label range check: a host sync (aminmax + compare) per call. Always on CPU; on CUDA only
 # when RLHF_KERNELS_DEBUG=1 (there the torch backend's gather asserts on device anyway).
 CHECK_LABELS_ON_CUDA = os.environ.get("RLHF_KERNELS_DEBUG", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- reference
-def logprobs_reference(logits, labels, temperature=1.0):
+def logprobs_reference(logits, labels, temperature=1.0, ignore_index=-100):
     """Readable math in logits' dtype (callers pass float64 for a reference): (logp, entropy).
 
-    ``p * log p`` is taken as 0 where ``p = 0`` (``-inf`` logits, e.g. a masked vocabulary).
+    ``p * log p`` is taken as 0 where ``p = 0`` (``-inf`` logits, e.g. a masked vocabulary);
+    ``logp`` is 0 where ``labels == ignore_index``.
     """
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
-    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ignored = torch.zeros_like(labels, dtype=torch.bool)
+    if ignore_index is not None:
+        ignored = labels == ignore_index
+    logp = logp_all.gather(-1, labels.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
+    logp = logp.masked_fill(ignored, 0.0)
     p = logp_all.exp()
     entropy = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
     return logp, entropy
@@ -166,9 +180,10 @@ if triton is not None:
             m = m_new
         lse = m + tl.log(s)
         label = tl.load(lab_ptr + row)
-        u_lab = tl.load(z_row + label).to(tl.float32) * inv_tau
+        in_range = (label >= 0) & (label < V)  # never read outside the row; NaN if not
+        u_lab = tl.load(z_row + tl.where(in_range, label, 0)).to(tl.float32) * inv_tau
         tl.store(lse_ptr + row, lse)
-        tl.store(logp_ptr + row, u_lab - lse)
+        tl.store(logp_ptr + row, tl.where(in_range, u_lab - lse, float("nan")))
         tl.store(ent_ptr + row, tl.log(s) - t / s)
 
     @triton.jit
@@ -243,7 +258,8 @@ class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, labels, tau, want_entropy, backend):
         fwd = _forward_triton if backend == "triton" else _forward_torch
-        logp, ent, lse = fwd(z, labels, tau, want_entropy)
+        with device_guard(z):
+            logp, ent, lse = fwd(z, labels, tau, want_entropy)
         ctx.save_for_backward(z, labels, lse, ent)
         ctx.tau, ctx.backend = tau, backend
         return logp, ent
@@ -254,20 +270,21 @@ class _LogProbs(torch.autograd.Function):
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
         bwd = _backward_triton if ctx.backend == "triton" else _backward_torch
-        grad = bwd(
-            z,
-            labels,
-            ctx.tau,
-            lse,
-            ent,
-            g_logp.float().contiguous(),
-            None if g_ent is None else g_ent.float().contiguous(),
-        )
+        with device_guard(z):
+            grad = bwd(
+                z,
+                labels,
+                ctx.tau,
+                lse,
+                ent,
+                g_logp.float().contiguous(),
+                None if g_ent is None else g_ent.float().contiguous(),
+            )
         return grad, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- API
-def _check(logits, labels, temperature, backend):
+def _check(logits, labels, temperature, backend, ignore_index=IGNORE_INDEX):
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(
             f"logits must be a float tensor, got {getattr(logits, 'dtype', type(logits).__name__)}"
@@ -291,12 +308,42 @@ def _check(logits, labels, temperature, backend):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and triton is None:
         raise ValueError("backend='triton' needs the triton package, which is not installed")
-    if labels.numel() and (not labels.is_cuda or CHECK_LABELS_ON_CUDA):
-        lo, hi = torch.aminmax(labels)
-        if lo < 0 or hi >= logits.shape[-1]:
-            raise ValueError(
-                f"labels must lie in [0, {logits.shape[-1]}), got values in [{int(lo)}, {int(hi)}]"
-            )
+    check_label_range(labels, logits.shape[-1], ignore_index, CHECK_LABELS_ON_CUDA)
+
+
+def check_label_range(labels, V: int, ignore_index: int | None, on_cuda: bool) -> None:
+    """ValueError unless every label is in ``[0, V)`` or equals ``ignore_index``. A host sync:
+    always on CPU, on CUDA only when ``on_cuda`` (``RLHF_KERNELS_DEBUG=1``)."""
+    if not labels.numel() or (labels.is_cuda and not on_cuda):
+        return
+    bad = (labels < 0) | (labels >= V)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    if bad.any():
+        vals = labels[bad].unique()[:5].tolist()
+        ign = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"labels must lie in [0, {V}){ign}; got {int(bad.sum())} other(s): {vals}")
+
+
+def mask_labels(labels, V: int, ignore_index: int | None):
+    """Flat int64 labels safe to gather with, plus the rows to fix up afterwards.
+
+    Returns ``(safe, ignored, bad)``: ``safe`` in ``[0, V)``; ``ignored`` (or None) where
+    ``labels == ignore_index`` (logp 0, no gradient); ``bad`` where a label is out of range
+    anyway (reachable only where the range check is off: logp NaN). No host sync.
+    """
+    lab = labels.reshape(-1).long()
+    ignored = None if ignore_index is None else lab == ignore_index
+    if ignored is not None:
+        lab = lab.masked_fill(ignored, 0)
+    bad = (lab < 0) | (lab >= V)
+    return lab.clamp(0, V - 1), ignored, bad
+
+
+def fix_masked(logp, ignored, bad):
+    """``logp`` with NaN at out-of-range labels and 0 (no gradient) at ignored ones."""
+    logp = logp.masked_fill(bad, float("nan"))
+    return logp if ignored is None else logp.masked_fill(ignored, 0.0)
 
 
 def _as_rows(logits):
@@ -323,34 +370,40 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     return_entropy: bool = False,
     *,
+    ignore_index: int | None = IGNORE_INDEX,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each label (and entropy) under ``softmax(logits / temperature)``.
 
     Args:
         logits: ``[..., V]`` float16/bfloat16/float32/float64 scores; differentiable.
-        labels: int64 (or int32) ``[...]`` token ids in ``[0, V)``, logits' leading shape.
+        labels: int64 (or int32) ``[...]`` token ids in ``[0, V)`` or ``ignore_index``,
+            logits' leading shape.
         temperature: > 0; the distribution is ``softmax(logits / temperature)``.
         return_entropy: also return the entropy of that distribution.
-            Out-of-range labels are a ValueError on CPU; on CUDA that check (a host sync) runs
-            only with ``RLHF_KERNELS_DEBUG=1``.
+            Other out-of-range labels are a ValueError on CPU; on CUDA that check (a host sync)
+            runs only with ``RLHF_KERNELS_DEBUG=1``, and such a label gives a NaN log-prob.
+        ignore_index: labels with this value get ``logp = 0`` and no gradient through it (their
+            entropy is still computed); ``None`` treats every label as a token id.
         backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
     Returns:
         ``logp`` ``[...]`` float32 (float64 for float64 logits on the torch backend), or
         ``(logp, entropy)`` when ``return_entropy``. No ``[..., V]`` fp32 copy is kept; the
         backward allocates only the gradient (logits' dtype).
     """
-    _check(logits, labels, temperature, backend)
+    _check(logits, labels, temperature, backend, ignore_index)
     if backend == "auto":
         backend = "triton" if logits.is_cuda and triton is not None else "torch"
-    lab = labels.reshape(-1).long().contiguous()  # the kernels index labels by flat row
+    # flat labels (the kernels index them by row), gatherable; ignored/bad rows fixed below
+    lab, ignored, bad = mask_labels(labels, logits.shape[-1], ignore_index)
     if logits.dtype == torch.float64:  # keep float64 end to end (reference-grade path)
-        logp, ent = logprobs_reference(logits, labels.long(), temperature)
+        logp, ent = logprobs_reference(logits, lab.view(labels.shape), temperature, None)
+        logp, ent = logp.reshape(-1), ent.reshape(-1)
     else:
         logp, ent = _LogProbs.apply(
-            _as_rows(logits), lab, float(temperature), return_entropy, backend
+            _as_rows(logits), lab.contiguous(), float(temperature), return_entropy, backend
         )
-    logp = logp.reshape(labels.shape)
+    logp = fix_masked(logp, ignored, bad).reshape(labels.shape)
     if return_entropy:
         return logp, ent.reshape(labels.shape)
     return logp

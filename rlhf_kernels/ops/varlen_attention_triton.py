@@ -16,10 +16,16 @@ The semantics are those of ``varlen_attention_reference`` (bottom-right aligned 
 
 Block sizes (see :func:`_block_sizes`): the head dim is padded to ``BLOCK_D = max(16,
 next_pow2(D))`` with masked loads. Under ``TRITON_INTERPRET=1`` every block is 16 (the smallest
-``tl.dot`` tile) so the CPU interpreter stays fast. On CUDA: forward ``BLOCK_M=128, BLOCK_N=64``
-for ``BLOCK_D <= 128`` (64 x 32 above), backward 64 x 64 for ``BLOCK_D <= 64``, 32 x 32 above,
-halved again for fp32 inputs at ``BLOCK_D >= 128`` (twice the shared memory per tile). A launch
-that runs out of shared memory is retried with halved blocks.
+``tl.dot`` tile) so the CPU interpreter stays fast. On CUDA the defaults come from a sweep on an
+H100 (``bench/attn_sweep.py``, 32k-token causal bf16 packs; results in ``bench/results``):
+forward ``128 x 64`` (8 warps, 3 stages) at ``BLOCK_D = 64``, ``128 x 128`` at 128; backward
+``64 x 64`` with 4 warps (3 stages at 64, 2 at 128); halved for fp32 inputs at ``BLOCK_D >= 128``
+and above 128 (the shared memory per tile doubles). A launch that runs out of shared memory
+(smaller GPUs) is retried with halved blocks, and the blocks that fit are remembered.
+
+Precision: fp16/bf16 dots multiply in the input dtype with fp32 accumulation. fp32 inputs use
+exact fp32 products (``input_precision="ieee"``) unless
+``torch.backends.cuda.matmul.allow_tf32`` is set, in which case they use TF32 as torch matmuls do.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+
+from rlhf_kernels._checks import device_guard
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -344,13 +352,15 @@ def _block_sizes(head_dim: int, dtype: torch.dtype, backward: bool) -> tuple[int
         return 16, 16, 1, 1
     block_d = _block_d(head_dim)
     if not backward:
-        bm, bn = (128, 64) if block_d <= 128 else (64, 32)
+        bm, bn, warps, stages = (128, 64, 8, 3) if block_d <= 64 else (128, 128, 8, 3)
+        if block_d > 128:
+            bm, bn, warps, stages = 64, 32, 8, 2
     else:
-        bm, bn = (64, 64) if block_d <= 64 else (32, 32)
+        bm, bn, warps, stages = (64, 64, 4, 3) if block_d <= 64 else (64, 64, 4, 2)
+        if block_d > 128:
+            bm, bn, warps, stages = 32, 32, 4, 2
     if dtype == torch.float32 and block_d >= 128:
         bm, bn = max(bm // 2, 16), max(bn // 2, 16)
-    warps = 8 if block_d >= 128 else 4
-    stages = 2 if backward or block_d >= 128 else 3
     return bm, bn, warps, stages
 
 
@@ -544,9 +554,11 @@ def varlen_attention_triton_backward(
 
 
 def _dot_meta(dtype: torch.dtype) -> dict:
-    # fp32 inputs: exact fp32 products (the GPU default would be TF32)
+    """fp32 inputs: exact fp32 products, or TF32 where torch's own matmuls use it
+    (``torch.backends.cuda.matmul.allow_tf32``); fp16/bf16 use their tensor-core dots."""
     f32 = dtype == torch.bfloat16 and _interpreting()
-    return dict(DOT_PREC="ieee" if dtype == torch.float32 or f32 else "tf32", DOT_F32=f32)
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    return dict(DOT_PREC="ieee" if exact or f32 else "tf32", DOT_F32=f32)
 
 
 class VarlenAttentionTriton(torch.autograd.Function):
@@ -571,19 +583,20 @@ class VarlenAttentionTriton(torch.autograd.Function):
         # the kernels read cu_seqlens[b] at base + b: int32 and unit stride
         cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
         cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
-        out, lse = varlen_attention_triton_forward(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            softmax_scale,
-            causal,
-            window_size,
-            softcap,
-        )
+        with device_guard(q):
+            out, lse = varlen_attention_triton_forward(
+                q,
+                k,
+                v,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                softmax_scale,
+                causal,
+                window_size,
+                softcap,
+            )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap)
         ctx.mark_non_differentiable(lse)
@@ -593,9 +606,10 @@ class VarlenAttentionTriton(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         del dlse  # lse is marked non-differentiable
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = varlen_attention_triton_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params
-        )
+        with device_guard(q):
+            dq, dk, dv = varlen_attention_triton_backward(
+                dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params
+            )
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -1,0 +1,408 @@
+"""One-command GPU benchmark: the second half of ``make gpu-check`` (the first: ``pytest -m gpu``).
+
+Measures on one CUDA device, bf16, with CUDA-event timing (``triton.testing.do_bench``, median):
+
+- ``attention``: packed causal attention, forward and forward+backward, at 8k/32k/128k-token packs
+  of uneven documents (lengths drawn in ``[total/16, total/4]``), head_dim 64 (32 heads) and 128
+  (16 heads). Peers on the same pack: ``varlen_attention(backend="triton")`` (ours),
+  ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels shipped inside torch; the
+  flash-attn package itself when importable), one SDPA flash call per document, and compiled
+  ``flex_attention`` with a document-causal block mask. Every peer is checked against ours
+  first. TFLOP/s count useful causal FLOPs: ``4 * sum(l^2) / 2 * H * D`` forward, 2.5x that
+  for the backward.
+- ``linear_logprobs``: T=32k, H=4096, V=128k: ours (per-token log-probs, fwd+bwd of
+  ``sum(w * logp)``), ours as a loss (``linear_nll_loss``, gradients made in the forward), the
+  naive fp32 ``log_softmax`` + gather, ``F.cross_entropy`` and Liger's fused linear
+  cross-entropy when liger-kernel is importable. Time and peak memory above the inputs.
+- ``gae``: B=64, T=1024 fp32, our ``gae`` on CPU (one thread) and CUDA vs a Python loop.
+- ``ring_tile``: one ring step's tile work (our Triton kernel returning lse, merged in fp32)
+  at 2 and 4 ranks' shards of a 32k pack.
+
+Writes ``bench/results/gpu-check-<gpu>-<date>.json`` and ``.md`` (hardware, versions, date).
+``--quick`` runs small shapes (a smoke test of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlhf_kernels.ops.varlen_attention import varlen_attention  # noqa: E402
+
+
+def _bench(fn, quick=False):
+    """Median ms of ``fn()`` (CUDA events via triton's do_bench)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100))
+
+
+def _lengths(total, lo, hi, seed=0):
+    rng, out = random.Random(seed), []
+    while sum(out) < total:
+        out.append(min(rng.randint(lo, hi), total - sum(out)))
+    return out
+
+
+def _causal_flops(lengths, heads, dim):
+    return 2.0 * sum(n * n for n in lengths) * heads * dim  # 4 * l^2 / 2 per head and dim
+
+
+# ----------------------------------------------------------------------------- attention
+def _attention_peers(lengths, heads, dim):
+    """name -> fn(q, k, v) -> out (T, H, D), for the peers available here."""
+    cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device="cuda")
+    maxlen = max(lengths)
+    peers = {
+        "ours_triton": lambda q, k, v: varlen_attention(
+            q, k, v, cu, cu, maxlen, maxlen, causal=True, backend="triton"
+        )
+    }
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        peers["torch_varlen_flash"] = lambda q, k, v: varlen_attn(
+            q, k, v, cu, cu, maxlen, maxlen, **kw
+        )
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        peers["flash_attn"] = lambda q, k, v: flash_attn_varlen_func(
+            q, k, v, cu, cu, maxlen, maxlen, causal=True
+        )
+    except ImportError:
+        pass
+    starts = [0] + list(_cumsum(lengths))
+
+    def sdpa_flash_loop(q, k, v):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        outs = []
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for a, b in zip(starts[:-1], starts[1:]):
+                qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0])
+        return torch.cat([o.transpose(0, 1) for o in outs])
+
+    peers["sdpa_flash_loop"] = sdpa_flash_loop
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = torch.repeat_interleave(
+            torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda")
+        )
+        total = sum(lengths)
+
+        def doc_causal(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (qi >= ki)
+
+        # compiled mask construction: the eager one materialises the T x T mask (128 GiB at 128k)
+        mask = torch.compile(create_block_mask)(doc_causal, 1, 1, total, total, device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+
+        def flex_doc(q, k, v):
+            qs, ks, vs = (x.transpose(0, 1)[None] for x in (q, k, v))
+            return flex(qs, ks, vs, block_mask=mask)[0].transpose(0, 1)
+
+        peers["flex_doc_mask"] = flex_doc
+    except Exception as err:  # ImportError, or the mask does not fit: report, go on
+        print(f"flex_doc_mask skipped at T={sum(lengths)}: {err!r:.200}", flush=True)
+    return peers
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += x
+        yield s
+
+
+def bench_attention(quick):
+    rows = []
+    totals = (2048, 4096) if quick else (8192, 32768, 131072)
+    for dim in (64, 128):
+        for total in totals:
+            rows += _attention_case(total, dim, quick)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _attention_case(total, dim, quick):
+    torch._dynamo.reset()  # flex recompiles per shape: keep under dynamo's recompile limit
+    heads = 2048 // dim
+    lengths = _lengths(total, total // 16, total // 4, seed=total + dim)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(4)
+    )
+    flops = _causal_flops(lengths, heads, dim)
+    rows, ref = [], None
+    for name, fn in _attention_peers(lengths, heads, dim).items():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        try:
+            out = fn(*leaves)
+            out.backward(do)
+        except Exception as err:  # a peer that cannot run this shape is reported
+            rows.append(dict(total=total, dim=dim, method=name, error=repr(err)[:300]))
+            continue
+        got = (out.detach().float(), leaves[0].grad.float())
+        ref = got if ref is None else ref
+        err = [(a - b).abs().max().item() for a, b in zip(got, ref)]
+
+        def step(fn=fn, leaves=leaves):
+            for x in leaves:
+                x.grad = None
+            fn(*leaves).backward(do)
+
+        fwd_ms = _bench(lambda fn=fn: fn(q, k, v), quick)
+        fb_ms = _bench(step, quick)
+        rows.append(
+            dict(
+                total=total, dim=dim, heads=heads, docs=len(lengths), method=name,
+                fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+                fwd_tflops=flops / fwd_ms / 1e9,
+                fwd_bwd_tflops=3.5 * flops / fb_ms / 1e9,
+                max_err_out_vs_ours=err[0], max_err_dq_vs_ours=err[1],
+            )
+        )  # fmt: skip
+        print(_fmt_attention(rows[-1]), flush=True)
+    return rows
+
+
+def _fmt_attention(r):
+    return (
+        f"attention D={r['dim']:3d} T={r['total']:6d} {r['method']:>18}: fwd "
+        f"{r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd {r['fwd_bwd_ms']:8.3f} ms "
+        f"{r['fwd_bwd_tflops']:6.1f} TFLOP/s | err out {r['max_err_out_vs_ours']:.3g}"
+    )
+
+
+# ----------------------------------------------------------------------------- linear logprobs
+def bench_linear(quick):
+    from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss
+
+    T, H, V = (4096, 1024, 32768) if quick else (32768, 4096, 131072)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (T,), device="cuda", generator=g)
+    wt = torch.rand(T, device="cuda", generator=g)
+
+    def naive_logprobs():
+        logp = torch.log_softmax((h @ w.T).float(), -1).gather(1, labels[:, None])[:, 0]
+        (logp * wt).sum().backward()
+
+    methods = {
+        "naive_logsoftmax_gather": naive_logprobs,
+        "linear_logprobs": lambda: (linear_logprobs(h, w, labels) * wt).sum().backward(),
+        "naive_cross_entropy": lambda: F.cross_entropy((h @ w.T).float(), labels).backward(),
+        "linear_nll_loss": lambda: linear_nll_loss(h, w, labels).backward(),
+    }
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        methods["liger_fused_linear_ce"] = lambda: liger(w, h, labels).backward()
+    except ImportError:
+        pass
+    rows = []
+    for name, fn in methods.items():
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        try:
+            fn()
+        except Exception as err:
+            rows.append(dict(method=name, error=repr(err)[:300]))
+            continue
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+
+        def step(fn=fn):
+            h.grad = w.grad = None
+            fn()
+
+        ms = _bench(step, quick)
+        rows.append(dict(method=name, T=T, H=H, V=V, ms=ms, peak_extra_mib=peak))
+        print(f"linear {name:>26}: {ms:9.2f} ms  peak +{peak:9.0f} MiB", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------- gae
+def bench_gae(quick):
+    from rlhf_kernels.ops.gae import gae, gae_reference
+
+    B, T = (8, 256) if quick else (64, 1024)
+    g = torch.Generator().manual_seed(0)
+    r, v = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        gae_reference(r, v, mask, 0.99, 0.95)
+        loop_ms = (time.perf_counter() - t0) * 1e3
+        rows.append(dict(method="python_loop_cpu_1thread", B=B, T=T, ms=loop_ms))
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            gae(r, v, gamma=0.99, lam=0.95, mask=mask)
+            ts.append(time.perf_counter() - t0)
+        ms = sorted(ts)[len(ts) // 2] * 1e3
+        rows.append(dict(method="gae_cpu_1thread", B=B, T=T, ms=ms, speedup=loop_ms / ms))
+    finally:
+        torch.set_num_threads(threads)
+    rc, vc, mc = r.cuda(), v.cuda(), mask.cuda()
+    ms = _bench(lambda: gae(rc, vc, gamma=0.99, lam=0.95, mask=mc), quick)
+    rows.append(dict(method="gae_cuda", B=B, T=T, ms=ms, speedup=loop_ms / ms))
+    for row in rows:
+        print(f"gae {row['method']:>26}: {row['ms']:9.3f} ms", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- ring tiles
+def bench_ring_tile(quick):
+    """One rank's tile work per ring step: its query shard against one key shard (causal-
+    balanced halves), through ``varlen_attention`` returning lse, merged in fp32."""
+    total = 4096 if quick else 32768
+    return [_ring_tile(total // world, world, quick) for world in (2, 4)]
+
+
+def _ring_tile(shard, world, quick):
+    heads, dim = 16, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(shard, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(3)
+    )
+    cu = torch.tensor([0, shard], dtype=torch.int32, device="cuda")
+    kw = dict(return_lse=True, backend="triton")
+
+    def tile():
+        # an off-diagonal step (the whole key shard visible) merged with the diagonal (causal)
+        # tile in fp32 through the lse
+        o1, l1 = varlen_attention(q, k, v, cu, cu, shard, shard, causal=False, **kw)
+        o2, l2 = varlen_attention(q, k, v, cu, cu, shard, shard, causal=True, **kw)
+        m = torch.maximum(l1, l2)
+        a, b = (l1 - m).exp(), (l2 - m).exp()
+        wa, wb = (a / (a + b)).t()[..., None], (b / (a + b)).t()[..., None]
+        return o1.float() * wa + o2.float() * wb
+
+    ms = _bench(tile, quick)
+    flops = 2.0 * shard * shard * heads * dim * 2 * 1.5  # one full + one causal tile
+    print(f"ring tile world={world} shard={shard}: {ms:.3f} ms", flush=True)
+    return dict(world=world, shard=shard, heads=heads, dim=dim, ms=ms, tflops=flops / ms / 1e9)
+
+
+# ----------------------------------------------------------------------------- report
+def machine():
+    import triton
+
+    def _git():
+        try:
+            return subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+            ).stdout.strip()
+        except OSError:
+            return None
+
+    p = torch.cuda.get_device_properties(0)
+    return dict(
+        gpu=torch.cuda.get_device_name(0),
+        sms=p.multi_processor_count,
+        memory_gib=round(p.total_memory / 2**30, 1),
+        cpu_count=os.cpu_count(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        triton=triton.__version__,
+        rlhf_kernels_commit=os.environ.get("RLHF_KERNELS_COMMIT") or _git(),
+    )
+
+
+def write_markdown(report, path):
+    m = report["machine"]
+    lines = [
+        f"# GPU check: {m['gpu']}, {report['date']}",
+        "",
+        f"torch {m['torch']} (CUDA {m['cuda']}), triton {m['triton']}, Python {m['python']}, "
+        f"commit {m['rlhf_kernels_commit']}. bf16; median of CUDA-event timings.",
+        "",
+    ]
+    att = [r for r in report.get("attention", []) if "error" not in r]
+    if att:
+        lines += [
+            "## Packed causal attention (TFLOP/s; fwd+bwd counts the backward as 2.5x forward)",
+            "",
+            "| head_dim | pack | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+            "|--:|--:|---|--:|--:|--:|--:|",
+        ]
+        for r in att:
+            lines.append(
+                f"| {r['dim']} | {r['total']} | {r['method']} | {r['fwd_ms']:.3f} | "
+                f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} |"
+            )
+        lines.append("")
+    for key, title in (("linear", "linear_logprobs"), ("gae", "GAE"), ("ring_tile", "ring tile")):
+        rows = report.get(key, [])
+        if rows:
+            lines += [f"## {title}", "", "```", *[json.dumps(r) for r in rows], "```", ""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    ap.add_argument(
+        "--only", nargs="*", default=["attention", "linear", "gae", "ring_tile"],
+        help="parts to run",
+    )  # fmt: skip
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check needs CUDA", file=sys.stderr)
+        return 2
+    report = dict(date=datetime.date.today().isoformat(), quick=args.quick, machine=machine())
+    parts = dict(
+        attention=bench_attention, linear=bench_linear, gae=bench_gae, ring_tile=bench_ring_tile
+    )
+    for name in args.only:
+        t0 = time.perf_counter()
+        report[name] = parts[name](args.quick)
+        print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    tag = report["machine"]["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+    stem = f"gpu-check-{tag}{'-quick' if args.quick else ''}-{report['date']}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_markdown(report, args.out_dir / f"{stem}.md")
+    print(args.out_dir / f"{stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
