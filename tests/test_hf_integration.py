@@ -131,6 +131,23 @@ def test_padded_batch_with_mask(name, side, tmp_path_factory):
         torch.testing.assert_close(out[b][mask[b].bool()], ref, atol=1e-4, rtol=0)
 
 
+def test_padded_layout_computed_once_per_forward(tmp_path_factory, monkeypatch):
+    """The unpadding indices and cu_seqlens (host syncs) are made by the first layer only."""
+    _, ours = _models("llama", tmp_path_factory)
+    assert ours.config.num_hidden_layers >= 2
+    calls = []
+    real = hf._padded_layout_uncached
+    monkeypatch.setattr(hf, "_padded_layout_uncached", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(1, 50, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask, use_cache=False)
+        assert len(calls) == 1
+        ours(input_ids=ids, attention_mask=mask.clone(), use_cache=False)  # a new mask: once more
+    assert len(calls) == 2
+
+
 def test_rejects_masks_it_cannot_honour(tmp_path_factory):
     _, ours = _models("mistral_sliding", tmp_path_factory)
     ids = torch.randint(0, VOCAB, (1, 12))

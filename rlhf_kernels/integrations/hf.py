@@ -270,9 +270,48 @@ def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
             f"({bsz}, {s_k}); got shape {tuple(mask.shape)}. 4-D masks are not "
             f"supported: pass a 2-D mask or packed position_ids"
         )
+    idx_q, idx_k, cu_q, cu_k, max_q, max_k = _padded_layout(mask, s_q, s_k, window[0] >= 0)
+    out = varlen_attention(
+        q.reshape(-1, heads, dim)[idx_q],
+        k.reshape(-1, k.shape[2], dim)[idx_k],
+        v.reshape(-1, v.shape[2], dim)[idx_k],
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        **common,
+    )
+    full = out.new_zeros(bsz * s_q, heads, out.shape[-1]).index_copy(0, idx_q, out)
+    return full.reshape(bsz, s_q, heads, -1)
+
+
+_MASK_CACHE_LOCK = threading.Lock()
+_MASK_CACHE: list = [None]  # [(weakref to mask, version, key, layout)]
+
+
+def _padded_layout(mask, s_q: int, s_k: int, windowed: bool):
+    """Token indices, ``cu_seqlens`` and max lengths of a padded batch's real tokens.
+
+    Every layer of a forward passes the same mask tensor: the layout is computed (with its host
+    syncs) for the first layer and read from a one-entry cache (weak reference + in-place
+    version, like the position-ids cache) by the others, whose ``cu_seqlens`` are then the same
+    tensors, so their validation is a cache hit too.
+    """
+    key = (s_q, s_k, windowed, mask.shape)
+    with _MASK_CACHE_LOCK:
+        hit = _MASK_CACHE[0]
+        if hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == key:
+            return hit[3]
+    layout = _padded_layout_uncached(mask, s_q, s_k, windowed)
+    with _MASK_CACHE_LOCK:
+        _MASK_CACHE[0] = (weakref.ref(mask), mask._version, key, layout)
+    return layout
+
+
+def _padded_layout_uncached(mask, s_q, s_k, windowed):
     mask_k = mask[:, -s_k:].bool()
     mask_q = mask_k[:, -s_q:]
-    if window[0] >= 0:
+    if windowed:
         # unpadding would shrink distances across holes, changing what a window sees
         runs = (mask_k[:, 1:] & ~mask_k[:, :-1]).sum(1) + mask_k[:, 0]
         if bool((runs > 1).any()):
@@ -282,18 +321,9 @@ def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
             )
     idx_q = mask_q.reshape(-1).nonzero().flatten()
     idx_k = mask_k.reshape(-1).nonzero().flatten()
-    cu_q = _cu_from_counts(mask_q.sum(1))
-    cu_k = _cu_from_counts(mask_k.sum(1))
-    out = varlen_attention(
-        q.reshape(-1, heads, dim)[idx_q],
-        k.reshape(-1, k.shape[2], dim)[idx_k],
-        v.reshape(-1, v.shape[2], dim)[idx_k],
-        cu_q,
-        cu_k,
-        **common,
-    )
-    full = out.new_zeros(bsz * s_q, heads, out.shape[-1]).index_copy(0, idx_q, out)
-    return full.reshape(bsz, s_q, heads, -1)
+    n_q, n_k = mask_q.sum(1), mask_k.sum(1)
+    max_q, max_k = (int(x) for x in torch.stack([n_q.max(), n_k.max()]).tolist())
+    return idx_q, idx_k, _cu_from_counts(n_q), _cu_from_counts(n_k), max_q, max_k
 
 
 def padding_mask(
