@@ -65,6 +65,9 @@ class _RingState:
 _RING: contextvars.ContextVar[_RingState | None] = contextvars.ContextVar(
     "rlhf_kernels_ring", default=None
 )
+# how many ring contexts are open in this process: while 0, attention does not read the
+# ContextVar at all (torch.compile cannot trace ContextVar.get; it guards on this int instead)
+_RING_OPEN = [0]
 
 
 @contextlib.contextmanager
@@ -81,9 +84,11 @@ def ring_context(plan: Any, group: Any = None, **ring_kwargs: Any) -> Iterator[N
         ring_kwargs: passed through to ``ring_varlen_attention``.
     """
     token = _RING.set(_RingState(plan, group, dict(ring_kwargs)))
+    _RING_OPEN[0] += 1
     try:
         yield
     finally:
+        _RING_OPEN[0] -= 1
         _RING.reset(token)
 
 
@@ -180,7 +185,7 @@ def rlhf_attention_forward(
     s_k = key.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, heads, D)
 
-    ring = _RING.get()
+    ring = _RING.get() if _RING_OPEN[0] else None
     if ring is not None:
         if bsz != 1 or attention_mask is not None or not causal:
             raise ValueError(
@@ -250,9 +255,13 @@ def rlhf_attention_forward(
             raise ValueError(
                 f"position_ids must have {s_q} positions per row, got shape {tuple(pos.shape)}"
             )
-        cu, longest = _segments_from_position_ids(
-            pos.expand(bsz, -1) if pos.shape[0] != bsz else pos
-        )
+        pos = pos.expand(bsz, -1) if pos.shape[0] != bsz else pos
+        if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
+            from rlhf_kernels.ops.compiled import segments_from_position_ids
+
+            cu, longest = segments_from_position_ids(pos), None
+        else:
+            cu, longest = _segments_from_position_ids(pos)
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
     else:  # one sequence per row
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
@@ -270,7 +279,13 @@ def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
             f"({bsz}, {s_k}); got shape {tuple(mask.shape)}. 4-D masks are not "
             f"supported: pass a 2-D mask or packed position_ids"
         )
-    idx_q, idx_k, cu_q, cu_k, max_q, max_k = _padded_layout(mask, s_q, s_k, window[0] >= 0)
+    if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
+        from rlhf_kernels.ops.compiled import padded_layout
+
+        idx_q, idx_k, cu_q, cu_k = padded_layout(mask, s_q, s_k, window[0] >= 0)
+        max_q = max_k = None
+    else:
+        idx_q, idx_k, cu_q, cu_k, max_q, max_k = _padded_layout(mask, s_q, s_k, window[0] >= 0)
     out = varlen_attention(
         q.reshape(-1, heads, dim)[idx_q],
         k.reshape(-1, k.shape[2], dim)[idx_k],
@@ -350,6 +365,8 @@ def padding_mask(
     if attention_mask is None:
         return None
     mask = attention_mask[:, -kv_length:].bool()
+    if torch.compiler.is_compiling():  # no data-dependent shortcut while tracing
+        return mask
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask

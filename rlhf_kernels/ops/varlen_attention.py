@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import numbers
+import operator
+import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,17 @@ def _sequence_attention(q, k, v, scale, causal, window_size, softcap, dropout_p=
     if dropout_p > 0:
         p = F.dropout(p, dropout_p)
     return torch.matmul(p, v), lse
+
+
+def _dense_attention(q, k, v, scale, mask, dropout_p):
+    """Explicit batched attention, ``(..., heads, len, head_dim)``; every query must see a key."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if dropout_p > 0:
+        p = F.dropout(p, dropout_p)
+    return torch.matmul(p, v)
 
 
 def varlen_attention_reference(
@@ -119,10 +132,23 @@ def _torch_varlen_attention(
     own key, so no row is empty); sequences of equal length share one batched SDPA call (at most
     ``_SDPA_BATCH_SCORES`` query-key pairs per call, or one sequence if it is longer). Everything
     else uses the explicit fp32 math of the reference, one sequence at a time.
+
+    Precision: fp16/bf16 GQA expands K/V before SDPA (SDPA's own ``enable_gqa`` backward sums a
+    group's dK/dV in low precision, about 3x plain torch's error). fp32 on CPU with gradients
+    wanted runs the batches as explicit matmul/softmax instead of SDPA (the CPU fused kernel's
+    fp32 backward has 2-4x plain torch's error); it costs about 2x the time of the fused kernel
+    and keeps the probabilities for the backward, like the per-sequence path.
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
-    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    low = q.dtype in (torch.float16, torch.bfloat16)
+    cdt = torch.float32 if low else q.dtype
+    explicit = (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+    )
     fused = softcap == 0 and not return_lse
     windowed = tuple(window_size) != (-1, -1)
     n_seq = len(cu_q) - 1
@@ -147,7 +173,10 @@ def _torch_varlen_attention(
     for (lq, lk), seqs in buckets.items():
         # SDPA's is_causal is top-left aligned: only used where lq == lk makes it agree
         mask = attention_mask(lq, lk, causal, window_size, q.device) if windowed else None
-        step = max(1, _SDPA_BATCH_SCORES // max(lq * lk, 1))
+        if explicit:
+            mask = attention_mask(lq, lk, causal, window_size, q.device)
+        # the explicit path materializes the scores of every head: bound those, not the pairs
+        step = max(1, _SDPA_BATCH_SCORES // max(lq * lk * (heads if explicit else 1), 1))
         for i in range(0, len(seqs), step):
             part = seqs[i : i + step]
             adjacent = part[-1] - part[0] == len(part) - 1  # one contiguous token range: a view
@@ -159,16 +188,22 @@ def _torch_varlen_attention(
                 ).transpose(1, 2)
                 for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k))
             )  # (n, heads, len, head_dim)
-            o = F.scaled_dot_product_attention(
-                qs,
-                ks,
-                vs,
-                attn_mask=mask,
-                dropout_p=dropout_p,
-                is_causal=causal and not windowed and lq > 0,
-                scale=scale,
-                enable_gqa=group > 1,
-            ).transpose(1, 2)
+            if group > 1 and (low or explicit):
+                ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+            if explicit:
+                o = _dense_attention(qs, ks, vs, scale, mask, dropout_p)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs,
+                    ks,
+                    vs,
+                    attn_mask=mask,
+                    dropout_p=dropout_p,
+                    is_causal=causal and not windowed and lq > 0,
+                    scale=scale,
+                    enable_gqa=ks.shape[1] != heads,
+                )
+            o = o.transpose(1, 2)
             for j, b in enumerate(part):
                 pieces[b] = o[j]
     out = torch.cat(pieces, 0) if n_seq else q.new_zeros(q.shape)
@@ -179,6 +214,27 @@ def _torch_varlen_attention(
 
 
 # ----------------------------------------------------------------------------- validation
+def _window_pair(window_size) -> tuple[int, int]:
+    """``window_size`` as two Python ints; any length-2 sequence or integer tensor/array is fine."""
+    given = window_size
+    if not isinstance(window_size, Sequence) and hasattr(window_size, "tolist"):
+        window_size = window_size.tolist()  # torch tensor or numpy array
+    expected = "window_size must be a pair of ints (left, right)"
+    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence):
+        raise TypeError(f"{expected}, got {type(given).__name__} {given!r}")
+    if len(window_size) != 2:
+        raise ValueError(f"{expected}, got {len(window_size)} entries: {given!r}")
+    pair = []
+    for w in window_size:
+        if isinstance(w, bool) or (isinstance(w, torch.Tensor) and w.dtype == torch.bool):
+            raise TypeError(f"{expected}, got a bool entry: {given!r}")
+        try:
+            pair.append(operator.index(w))  # int, numpy int, 0-d integer tensor
+        except TypeError:
+            raise TypeError(f"{expected}, got a {type(w).__name__} entry: {given!r}") from None
+    return pair[0], pair[1]
+
+
 def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, window_size, softcap
 ):
@@ -224,12 +280,7 @@ def _check_inputs(
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
-    ):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    _window_pair(window_size)
     if not softcap >= 0 or softcap == float("inf"):  # also rejects NaN
         raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
     return cu_q, cu_k
@@ -293,6 +344,15 @@ def varlen_attention(
         out ``(total_q, heads, head_dim)`` in q's dtype, or ``(out, lse)``. Differentiable in
         q, k, v (through ``out``; the lse is for merging partial results, as in flash-attn).
     """
+    if torch.compiler.is_compiling() and not dropout_p:
+        # traced: a custom op (fake shapes for dynamo); it validates at run time, inside
+        from rlhf_kernels.ops.compiled import compiled_varlen_attention
+
+        scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+        return compiled_varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+            tuple(window_size), softcap, return_lse, resolve_backend(backend, q, dropout_p),
+        )  # fmt: skip
     cu_q, cu_k = _check_inputs(
         q,
         k,
@@ -309,7 +369,7 @@ def varlen_attention(
     if backend == "flash_attn" and q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"backend='flash_attn' needs fp16/bf16, got {q.dtype}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    window_size = (int(window_size[0]), int(window_size[1]))
+    window_size = _window_pair(window_size)
     # grids are sized by the real longest sequence (validation read cu_seqlens anyway), so an
     # oversized max_seqlen_* (a fixed constant, as flash-attn callers often pass) costs nothing
     max_seqlen_q = max((b - a for a, b in zip(cu_q[:-1], cu_q[1:])), default=0)

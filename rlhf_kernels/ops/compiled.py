@@ -1,0 +1,187 @@
+"""``torch.compile`` support: packed attention and its data-dependent helpers as custom ops.
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``), :func:`varlen_attention` and the
+transformers integration route through the ``torch.library`` custom ops below. Each has a fake
+implementation (shapes only), so dynamo traces a model with our attention without a graph break,
+forward and backward (as flash-attn registers its own ops). What dynamo cannot trace (reading
+``cu_seqlens`` on the host to validate it, finding sample starts in ``position_ids``, the
+nonzero of a padding mask) happens inside the ops at run time, exactly as in eager mode:
+bad input still raises, before any work.
+
+- ``rlhf_kernels::varlen_attention_fwd`` -> ``(out, lse)``; lse is ``(heads, total_q)`` fp32 for
+  the Triton backend (the backward reuses it) and empty for the others.
+- ``rlhf_kernels::varlen_attention_bwd`` -> ``(dq, dk, dv)``: the Triton backward kernels from the
+  saved ``out``/``lse``, or for the other backends a recomputed forward under autograd.
+- ``rlhf_kernels::segments_from_position_ids`` -> int32 ``cu_seqlens`` (data-dependent length).
+- ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
+  mask (data-dependent lengths).
+
+Attention dropout is not routed here (it falls back to eager, with a graph break).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_kernels._checks import device_guard
+
+Tensor = torch.Tensor
+
+
+def _max_len(cu: Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+@torch.library.custom_op("rlhf_kernels::varlen_attention_fwd", mutates_args=())
+def varlen_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    causal: bool,
+    left: int,
+    right: int,
+    softcap: float,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    from rlhf_kernels.ops.varlen_attention import varlen_attention
+
+    res = varlen_attention(
+        q, k, v, cu_q, cu_k, max_q if max_q >= 0 else None, max_k if max_k >= 0 else None,
+        softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap,
+        return_lse=backend == "triton", backend=backend,
+    )  # fmt: skip
+    if backend == "triton":
+        return res[0].clone(), res[1].clone()  # outputs must not alias (eager) internals
+    return res.clone(), q.new_empty(0, dtype=torch.float32)
+
+
+@varlen_attention_fwd.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, backend):
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    if backend == "triton":
+        return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    return out, q.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("rlhf_kernels::varlen_attention_bwd", mutates_args=())
+def varlen_attention_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    scale: float,
+    causal: bool,
+    left: int,
+    right: int,
+    softcap: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        from rlhf_kernels.ops.varlen_attention_triton import varlen_attention_triton_backward
+
+        cu_q32, cu_k32 = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+        with device_guard(q):
+            return varlen_attention_triton_backward(
+                dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, cu_q32, cu_k32,
+                _max_len(cu_q32), _max_len(cu_k32), scale, causal, (left, right),
+                softcap,
+            )  # fmt: skip
+    from rlhf_kernels.ops.varlen_attention import varlen_attention
+
+    def fwd(q, k, v):
+        return varlen_attention(
+            q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal, window_size=(left, right),
+            softcap=softcap, backend=backend,
+        )  # fmt: skip
+
+    # recompute this backend's forward and differentiate it (torch.func: the op body runs
+    # below the autograd dispatch key, where plain autograd would record nothing)
+    _, vjp = torch.func.vjp(fwd, q, k, v)
+    return tuple(g.contiguous() for g in vjp(dout))
+
+
+@varlen_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, _, _, scale, causal, left, right, softcap, backend = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.params = (scale, causal, left, right, softcap, backend)
+
+
+def _backward(ctx, dout, dlse):
+    del dlse  # lse is not differentiable (as in the eager path)
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.params)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "rlhf_kernels::varlen_attention_fwd", _backward, setup_context=_setup
+)
+
+
+@torch.library.custom_op("rlhf_kernels::segments_from_position_ids", mutates_args=())
+def segments_from_position_ids(position_ids: Tensor) -> Tensor:
+    from rlhf_kernels.integrations.hf import _segments_from_position_ids
+
+    return _segments_from_position_ids(position_ids)[0].clone()
+
+
+@segments_from_position_ids.register_fake
+def _(position_ids):
+    n = torch.library.get_ctx().new_dynamic_size(min=2)  # samples + 1: data-dependent
+    return position_ids.new_empty(n, dtype=torch.int32)
+
+
+@torch.library.custom_op("rlhf_kernels::padded_layout", mutates_args=())
+def padded_layout(
+    mask: Tensor, s_q: int, s_k: int, windowed: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from rlhf_kernels.integrations.hf import _padded_layout_uncached
+
+    idx_q, idx_k, cu_q, cu_k, _, _ = _padded_layout_uncached(mask, s_q, s_k, windowed)
+    return idx_q, idx_k, cu_q, cu_k
+
+
+@padded_layout.register_fake
+def _(mask, s_q, s_k, windowed):
+    ctx = torch.library.get_ctx()
+    n_q, n_k = ctx.new_dynamic_size(), ctx.new_dynamic_size()  # real tokens: data-dependent
+    b = mask.shape[0]
+    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
+    return (
+        mask.new_empty(n_q, **i64),
+        mask.new_empty(n_k, **i64),
+        mask.new_empty(b + 1, **i32),
+        mask.new_empty(b + 1, **i32),
+    )
+
+
+def compiled_varlen_attention(
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_size, softcap, return_lse, backend
+):
+    """The traced path of ``varlen_attention`` (backend already resolved, no dropout)."""
+    out, lse = varlen_attention_fwd(
+        q, k, v, cu_q, cu_k, -1 if max_q is None else int(max_q),
+        -1 if max_k is None else int(max_k), float(scale), bool(causal), int(window_size[0]),
+        int(window_size[1]), float(softcap), backend,
+    )  # fmt: skip
+    if not return_lse:
+        return out
+    if backend != "triton":
+        raise ValueError(
+            f"return_lse under torch.compile needs backend='triton', got backend={backend!r}"
+        )
+    return out, lse
