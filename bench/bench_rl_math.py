@@ -7,8 +7,9 @@ Groups (pytest-benchmark, ``rl_math-<op>``), each method checked against the pee
   ``linear_policy_loss`` vs ``policy_loss`` on the naive log-probs (fwd + bwd).
 - ``logprobs``: ``logprobs_from_logits(..., return_entropy=True)`` vs OpenRLHF's recipe
   (``logits.float()``, ``log_softmax``, gather, entropy from the fp32 copy), fwd + bwd.
-- ``gae`` / ``returns``: the segmented scan (native op, torch doubling scan) vs the classic
-  reversed-time Python loop, B=64, T=1024.
+- ``gae`` / ``returns``: ``fused_native`` (the fused native op: mask, delta, scan and returns in
+  one pass per row), ``scan_torch`` / ``scan_triton`` (delta in torch + that backend's scan) vs
+  the classic reversed-time Python loop, padded B=64, T=1024, forward.
 - ``group_adv`` / ``policy_loss``: vectorised ops vs per-group / per-sequence Python loops.
 
 ``python bench/bench_rl_math.py`` runs every (case, method) in a fresh subprocess, measures the
@@ -173,11 +174,17 @@ def make_case(case: str, method: str, quick: bool = False, device: str = "cpu"):
         mask = (torch.arange(T)[None] < lens[:, None]).float().to(dev)
         if case == "gae":
             fns = {"python_loop": lambda: loop_gae(r, v, mask, 0.99, 0.95)}
-            for b in ("native", "torch", "triton"):
+            fns["fused_native"] = lambda: gae(
+                r, v, gamma=0.99, lam=0.95, mask=mask, backend="native"
+            )
+            for b in ("torch", "triton"):
                 fns[f"scan_{b}"] = lambda b=b: gae(r, v, gamma=0.99, lam=0.95, mask=mask, backend=b)
         else:
             fns = {"python_loop": lambda: (loop_returns(r, mask, 0.99),)}
-            for b in ("native", "torch", "triton"):
+            fns["fused_native"] = lambda: (
+                discounted_returns(r, gamma=0.99, mask=mask, backend="native"),
+            )
+            for b in ("torch", "triton"):
                 fns[f"scan_{b}"] = lambda b=b: (
                     discounted_returns(r, gamma=0.99, mask=mask, backend=b),
                 )
@@ -229,8 +236,8 @@ CASES = {
         "linear_policy_loss",
     ],
     "logprobs": ["openrlhf_fp32_logits", "logprobs_from_logits"],
-    "gae": ["python_loop", "scan_native", "scan_torch", "scan_triton"],
-    "returns": ["python_loop", "scan_native", "scan_torch", "scan_triton"],
+    "gae": ["python_loop", "fused_native", "scan_torch", "scan_triton"],
+    "returns": ["python_loop", "fused_native", "scan_torch", "scan_triton"],
     "group_adv": ["python_loop", "group_advantages"],
     "policy_loss": ["python_loop", "policy_loss"],
 }
@@ -241,8 +248,8 @@ def _available(method: str, device: str) -> bool:
 
     if method == "scan_triton":
         return device == "cuda"  # the interpreter is not a performance path
-    if method == "scan_native":
-        return gae_mod._native_supports(torch.device(device))
+    if method == "fused_native":  # gae(backend="native") runs the fused op where it is built
+        return gae_mod._native_supports(torch.device(device), "fused_gae")
     return True
 
 

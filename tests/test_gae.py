@@ -185,3 +185,254 @@ def test_split_scan_matches_loop(backend):
     ref = gae_mod.reverse_scan_loop(x.double(), c.double())
     out = gae_mod._split_scan(x, c, backend, 16)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- fused native op
+def _fused_built(device="cpu"):
+    return gae_mod._native_supports(torch.device(device), "fused_gae")
+
+
+needs_fused = pytest.mark.skipif(not _fused_built(), reason="rlhf_kernels._C without fused_gae")
+
+
+def _packed(lens, dtype=torch.float64, cu_dtype=torch.int64):
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=cu_dtype)
+    N = sum(lens)
+    return torch.randn(N, dtype=dtype), torch.randn(N, dtype=dtype), cu
+
+
+def _packed_reference(r, v, m, cu, gamma, lam):
+    """Per-sequence loop reference on the packed layout (mask applied like the padded one)."""
+    a, ret, g = torch.zeros_like(r), torch.zeros_like(r), torch.zeros_like(r)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if e > s:
+            ms = m[None, s:e] if m is not None else torch.ones(1, e - s, dtype=r.dtype)
+            ra, rr = loop_gae(r[None, s:e], v[None, s:e], ms, gamma, lam)
+            a[s:e], ret[s:e] = ra[0], rr[0]
+            g[s:e] = loop_returns(r[None, s:e], ms, gamma)[0]
+    return a, ret, g
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, "same", torch.float64, torch.int64])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.7, 0.0)])
+def test_fused_padded_matches_loop(dtype, mask_dtype, gamma, lam):
+    # B=7: two rows after the four-row interleaved block; holes in the mask too
+    r, v, mask = _padded(B=7, T=61, dtype=dtype)
+    mask[2, 5:9] = 0.0
+    m = mask.to(dtype if mask_dtype == "same" else mask_dtype)
+    ref_a, ref_r = loop_gae(r, v, mask, gamma, lam)
+    a, ret = torch.ops.rlhf_kernels.fused_gae(r, v, m, None, gamma, lam)
+    a2, ret2 = gae(r, v, gamma=gamma, lam=lam, mask=m)  # auto picks the fused op on CPU
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    for out in (a, ret, a2, ret2):
+        assert out.dtype == dtype and out.shape == r.shape
+    torch.testing.assert_close(a, ref_a, **tol)
+    torch.testing.assert_close(ret, ref_r, **tol)
+    torch.testing.assert_close(a2, a, atol=0, rtol=0)
+    torch.testing.assert_close(ret2, ret, atol=0, rtol=0)
+    g = discounted_returns(r, gamma=gamma, mask=m)
+    torch.testing.assert_close(g, loop_returns(r, mask, gamma), **tol)
+    g2 = torch.ops.rlhf_kernels.fused_returns(r, m, None, gamma)
+    torch.testing.assert_close(g2, g, atol=0, rtol=0)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_fused_packed_matches_loop(dtype, cu_dtype, with_mask):
+    r, v, cu = _packed([7, 1, 0, 300, 29, 0], dtype, cu_dtype)
+    m = (torch.rand(r.shape[0]) > 0.2).to(dtype) if with_mask else None
+    ref_a, ref_r, ref_g = _packed_reference(r, v, m, cu, 0.98, 0.9)
+    a, ret = gae(r, v, gamma=0.98, lam=0.9, cu_seqlens=cu, mask=m, backend="native")
+    g = discounted_returns(r, gamma=0.98, cu_seqlens=cu, mask=m, backend="native")
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(a, ref_a, **tol)
+    torch.testing.assert_close(ret, ref_r, **tol)
+    torch.testing.assert_close(g, ref_g, **tol)
+    # the delta + scan path (torch backend) means the same thing
+    a_t, ret_t = gae(r, v, gamma=0.98, lam=0.9, cu_seqlens=cu, mask=m, backend="torch")
+    torch.testing.assert_close(a, a_t, **tol)
+    torch.testing.assert_close(ret, ret_t, **tol)
+
+
+@needs_fused
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_fused_gradients_match_loop(layout):
+    if layout == "padded":
+        r, v, mask = _padded(B=5, T=37)
+        cu, m = None, mask
+    else:
+        r, v, cu = _packed([5, 0, 40, 1, 17])
+        m = (torch.rand(r.shape[0]) > 0.3).double()
+    w1, w2 = torch.randn_like(r), torch.randn_like(r)
+
+    def loss(f, r, v):
+        a, ret = f(r, v)
+        return (a * w1).sum() + (ret * w2).sum(), (a * w1).sum()
+
+    def ref(r, v):
+        if cu is None:
+            return loop_gae(r, v, m, 0.95, 0.9)
+        a, ret = [], []
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            if e > s:
+                ra, rr = loop_gae(r[None, s:e], v[None, s:e], m[None, s:e], 0.95, 0.9)
+                a.append(ra[0])
+                ret.append(rr[0])
+        return torch.cat(a), torch.cat(ret)
+
+    def ours(r, v):
+        return gae(r, v, gamma=0.95, lam=0.9, cu_seqlens=cu, mask=m, backend="native")
+
+    for which in (0, 1):  # both outputs used; only the advantages (returns' gradient is None)
+        r1, v1 = r.clone().requires_grad_(), v.clone().requires_grad_()
+        r2, v2 = r.clone().requires_grad_(), v.clone().requires_grad_()
+        loss(ref, r1, v1)[which].backward()
+        loss(ours, r2, v2)[which].backward()
+        torch.testing.assert_close(r2.grad, r1.grad, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(v2.grad, v1.grad, atol=1e-12, rtol=1e-12)
+    # discounted returns
+    r1, r2 = r.clone().requires_grad_(), r.clone().requires_grad_()
+    if cu is None:
+        (loop_returns(r1, m, 0.9) * w1).sum().backward()
+    else:
+        g = torch.cat(
+            [
+                loop_returns(r1[None, s:e], m[None, s:e], 0.9)[0]
+                for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())
+                if e > s
+            ]
+        )
+        (g * w1).sum().backward()
+    (discounted_returns(r2, gamma=0.9, cu_seqlens=cu, mask=m) * w1).sum().backward()
+    torch.testing.assert_close(r2.grad, r1.grad, atol=1e-12, rtol=1e-12)
+
+
+@needs_fused
+def test_fused_opcheck_and_compile():
+    # schema, fake (meta) implementation, autograd registration, torch.compile tracing
+    r, v, mask = _padded(B=3, T=20, dtype=torch.float32)
+    r.requires_grad_()
+    v.requires_grad_()
+    cu = torch.tensor([0, 5, 5, 20], dtype=torch.int32)
+    ops = torch.ops.rlhf_kernels
+    cases = [
+        (ops.fused_gae.default, (r, v, mask.bool(), None, 0.9, 0.8)),
+        (ops.fused_gae.default, (r[0], v[0], None, cu, 0.9, 0.8)),
+        (ops.fused_returns.default, (r, mask, None, 0.9)),
+        (ops.fused_returns.default, (r[0], None, cu, 0.9)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    f = torch.compile(
+        lambda r, v, m: gae(r, v, gamma=0.9, lam=0.8, mask=m), backend="eager", fullgraph=True
+    )
+    a, ret = f(r, v, mask)
+    ref_a, ref_r = loop_gae(r.detach().double(), v.detach().double(), mask.double(), 0.9, 0.8)
+    torch.testing.assert_close(a.detach().double(), ref_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret.detach().double(), ref_r, atol=1e-5, rtol=1e-5)
+
+
+@needs_fused
+def test_fused_half_noncontiguous_and_fallbacks():
+    r, v, mask = _padded(B=6, T=33, dtype=torch.float32)
+    # half precisions: read as they are, computed in float32, rounded once at the end
+    for dt in (torch.bfloat16, torch.float16):
+        rh, vh = r.to(dt), v.to(dt)
+        ref_a, ref_r = loop_gae(rh.float(), vh.float(), mask, 0.99, 0.95)
+        for m in (mask, mask.bool(), mask.to(dt)):
+            a, ret = gae(rh, vh, gamma=0.99, lam=0.95, mask=m)
+            assert a.dtype == ret.dtype == dt
+            # (bit-equal on x86-64; the tolerance allows an FMA-contracting compiler one ulp)
+            torch.testing.assert_close(a, ref_a.to(dt))
+            torch.testing.assert_close(ret, ref_r.to(dt))
+    # non-contiguous inputs (a transposed view)
+    rt, vt = r.t().contiguous().t(), v.t().contiguous().t()
+    assert not rt.is_contiguous()
+    torch.testing.assert_close(
+        gae(rt, vt, gamma=0.9, lam=0.9, mask=mask), gae(r, v, gamma=0.9, lam=0.9, mask=mask)
+    )
+    # values in another dtype, or a mask that wants a gradient: the delta + scan path
+    a, _ = gae(r, v.double(), gamma=0.9, lam=0.9, mask=mask)
+    torch.testing.assert_close(a, gae(r, v, gamma=0.9, lam=0.9, mask=mask)[0])
+    mg = mask.clone().requires_grad_()
+    a, ret = gae(r, v, gamma=0.9, lam=0.9, mask=mg)
+    (a.sum() + ret.sum()).backward()
+    assert mg.grad is not None
+
+
+@needs_fused
+def test_fused_op_errors():
+    ops = torch.ops.rlhf_kernels
+    r = torch.randn(2, 5)
+    with pytest.raises(RuntimeError, match="values must have shape"):
+        ops.fused_gae(r, torch.randn(2, 6), None, None, 0.9, 0.9)
+    with pytest.raises(RuntimeError, match="padded 2-D"):
+        ops.fused_gae(r[0], r[0], None, None, 0.9, 0.9)
+    with pytest.raises(RuntimeError, match="mask must have"):
+        ops.fused_returns(r, torch.ones(2, 4), None, 0.9)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens\[-1\]"):
+        ops.fused_returns(r[0], None, torch.tensor([0, 4]), 0.9)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        ops.fused_returns(r[0], None, torch.tensor([0, 4, 3, 5]), 0.9)
+
+
+@pytest.mark.gpu
+def test_fused_cuda_matches_cpu():
+    if not _fused_built("cuda"):
+        pytest.skip("rlhf_kernels._C built without the CUDA fused ops")
+    ops = torch.ops.rlhf_kernels
+    # padded: short rows, rows over several 1024-token tiles, and the bench shape
+    for B, T in [(6, 301), (3, 5003), (64, 1024), (1, 40000)]:
+        r, v, mask = _padded(B=B, T=T)
+        mask[0, 3:7] = 0.0
+        for dt, tol in [(torch.float64, 1e-10), (torch.float32, 2e-4)]:
+            ref_a, ref_r = loop_gae(r, v, mask, 0.99, 0.95) if T < 2000 else (None, None)
+            if ref_a is None:
+                ref_a, ref_r = ops.fused_gae(r, v, mask, None, 0.99, 0.95)
+            for m in (mask.cuda(), mask.bool().cuda()):
+                a, ret = gae(r.to(dt).cuda(), v.to(dt).cuda(), gamma=0.99, lam=0.95, mask=m)
+                torch.testing.assert_close(a.double().cpu(), ref_a, atol=tol, rtol=tol)
+                torch.testing.assert_close(ret.double().cpu(), ref_r, atol=tol, rtol=tol)
+            g = discounted_returns(r.to(dt).cuda(), gamma=0.99, mask=mask.cuda())
+            ref_g = ops.fused_returns(r, mask, None, 0.99)
+            torch.testing.assert_close(g.double().cpu(), ref_g, atol=tol * 10, rtol=tol)
+    # packed: empty, one-token and multi-tile sequences, int32 and int64 cu_seqlens, a mask
+    for cu_dtype in (torch.int32, torch.int64):
+        r, v, cu = _packed([7, 1, 0, 3000, 29, 0, 1025, 1024], cu_dtype=cu_dtype)
+        m = (torch.rand(r.shape[0]) > 0.2).double()
+        ref_a, ref_r = ops.fused_gae(r, v, m, cu, 0.98, 0.9)
+        ref_g = ops.fused_returns(r, m, cu, 0.98)
+        a, ret = gae(r.cuda(), v.cuda(), gamma=0.98, lam=0.9, cu_seqlens=cu.cuda(), mask=m.cuda())
+        g = discounted_returns(r.cuda(), gamma=0.98, cu_seqlens=cu.cuda(), mask=m.cuda())
+        torch.testing.assert_close(a.cpu(), ref_a, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(ret.cpu(), ref_r, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(g.cpu(), ref_g, atol=1e-10, rtol=1e-10)
+        # gradients against the CPU op, both outputs and advantages only
+        w = torch.randn_like(r)
+        for both in (True, False):
+            grads = []
+            for dev in ("cpu", "cuda"):
+                rr = r.detach().to(dev).requires_grad_()
+                vv = v.detach().to(dev).requires_grad_()
+                a, ret = gae(rr, vv, gamma=0.98, lam=0.9, cu_seqlens=cu.to(dev), mask=m.to(dev))
+                wd = w.to(dev)
+                ((a * wd).sum() + ((ret * wd).sum() if both else 0)).backward()
+                grads.append((rr.grad.cpu(), vv.grad.cpu()))
+            torch.testing.assert_close(grads[1], grads[0], atol=1e-10, rtol=1e-10)
+        rr = r.cuda().requires_grad_()
+        discounted_returns(rr, gamma=0.98, cu_seqlens=cu.cuda(), mask=m.cuda()).mul(
+            w.cuda()
+        ).sum().backward()
+        r0 = r.clone().requires_grad_()
+        (ops.fused_returns(r0, m, cu, 0.98) * w).sum().backward()
+        torch.testing.assert_close(rr.grad.cpu(), r0.grad, atol=1e-10, rtol=1e-10)
+    # half precision: the same rounded result as the CPU op (both compute in float32)
+    r, v, mask = _padded(B=4, T=2100, dtype=torch.float32)
+    rb, vb = r.bfloat16(), v.bfloat16()
+    a_c, _ = ops.fused_gae(rb, vb, mask.bool(), None, 0.99, 0.95)
+    a_g, _ = gae(rb.cuda(), vb.cuda(), gamma=0.99, lam=0.95, mask=mask.bool().cuda())
+    torch.testing.assert_close(a_g.cpu().float(), a_c.float(), atol=2e-2, rtol=2e-2)

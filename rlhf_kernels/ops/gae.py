@@ -11,6 +11,12 @@ Layouts: packed 1-D ``(N,)`` with ``cu_seqlens`` (sequences are contiguous runs)
 ``(B, T)`` with a mask; the padded form reproduces the classic reversed-time loop exactly (rewards
 and values zeroed outside the mask, the recurrence runs over the full row).
 
+With the native extension (``auto`` / ``native``), ``gae`` and ``discounted_returns`` run ONE
+fused op after validation: ``fused_gae`` / ``fused_returns`` (csrc/gae.cpp, csrc/gae_cuda.cu) read
+rewards, values, mask and ``cu_seqlens`` as given and compute mask, delta, scan and returns in one
+pass per sequence (the same operations in the same order as the path below; backward: the adjoint
+scan, also one pass). Otherwise delta and the scan coefficients are built in torch and scanned:
+
 Backends for the scan ``(B, T) -> (B, T)``: ``native`` (C++ CPU / CUDA op from csrc/, when
 ``rlhf_kernels._C`` is built), ``triton`` (one program per row, an associative scan per block and
 a carry between blocks), ``torch`` (Hillis-Steele: log2(T) vectorised steps). The scan is
@@ -30,11 +36,12 @@ from rlhf_kernels._checks import check_cu_seqlens, check_same_device
 
 BACKENDS = ("auto", "native", "triton", "torch")
 
-try:  # registers torch.ops.rlhf_kernels.reverse_scan
+try:  # registers torch.ops.rlhf_kernels.reverse_scan, fused_gae, fused_returns (+ backwards)
     importlib.import_module("rlhf_kernels._C")
     _HAS_NATIVE = hasattr(torch.ops.rlhf_kernels, "reverse_scan")
+    _HAS_FUSED = _HAS_NATIVE and hasattr(torch.ops.rlhf_kernels, "fused_gae")
 except (ImportError, OSError):
-    _HAS_NATIVE = False
+    _HAS_NATIVE = _HAS_FUSED = False
 
 if _HAS_NATIVE:
 
@@ -43,13 +50,77 @@ if _HAS_NATIVE:
         return torch.empty_like(x)
 
 
-def _native_supports(device: torch.device) -> bool:
-    if not _HAS_NATIVE:
+def _native_supports(device: torch.device, op: str = "reverse_scan") -> bool:
+    if not (_HAS_FUSED if op.startswith("fused") else _HAS_NATIVE):
         return False
     if device.type == "cpu":
         return True
     return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "rlhf_kernels::reverse_scan", "CUDA"
+        f"rlhf_kernels::{op}", "CUDA"
+    )
+
+
+# ----------------------------------------------------------------------------- fused native ops
+# fused_gae / fused_returns (csrc/gae.cpp, csrc/gae_cuda.cu): the whole of gae() /
+# discounted_returns() after validation -- mask, delta, scan, returns -- in one pass per
+# sequence, reading the inputs as given (any float dtype, bool or float mask, int32/int64
+# cu_seqlens) and writing the outputs in the inputs' dtype. Their backward ops are the adjoint
+# scans, also one pass. Fake implementations let torch.compile trace them.
+if _HAS_FUSED:
+
+    def _contiguous_like(x):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @torch.library.register_fake("rlhf_kernels::fused_gae")
+    def _fused_gae_fake(rewards, values, mask, cu_seqlens, gamma, lam):
+        return _contiguous_like(rewards), _contiguous_like(rewards)
+
+    @torch.library.register_fake("rlhf_kernels::fused_gae_backward")
+    def _fused_gae_backward_fake(grad_adv, grad_ret, mask, cu_seqlens, gamma, lam):
+        ref = grad_adv if grad_adv is not None else grad_ret
+        return _contiguous_like(ref), _contiguous_like(ref)
+
+    @torch.library.register_fake("rlhf_kernels::fused_returns")
+    def _fused_returns_fake(rewards, mask, cu_seqlens, gamma):
+        return _contiguous_like(rewards)
+
+    @torch.library.register_fake("rlhf_kernels::fused_returns_backward")
+    def _fused_returns_backward_fake(grad, mask, cu_seqlens, gamma):
+        return _contiguous_like(grad)
+
+    def _fused_gae_setup(ctx, inputs, output):
+        _, _, mask, cu_seqlens, gamma, lam = inputs
+        ctx.save_for_backward(mask, cu_seqlens)
+        ctx.scalars = (gamma, lam)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
+
+    def _fused_returns_setup(ctx, inputs, output):
+        _, mask, cu_seqlens, gamma = inputs
+        ctx.save_for_backward(mask, cu_seqlens)
+        ctx.scalars = (gamma,)
+        ctx.set_materialize_grads(False)
+
+    def _fused_gae_bwd(ctx, grad_adv, grad_ret):
+        if grad_adv is None and grad_ret is None:
+            return None, None, None, None, None, None
+        mask, cu_seqlens = ctx.saved_tensors
+        d_r, d_v = torch.ops.rlhf_kernels.fused_gae_backward(
+            grad_adv, grad_ret, mask, cu_seqlens, *ctx.scalars
+        )
+        return d_r, d_v, None, None, None, None
+
+    def _fused_returns_bwd(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        mask, cu_seqlens = ctx.saved_tensors
+        d_r = torch.ops.rlhf_kernels.fused_returns_backward(grad, mask, cu_seqlens, *ctx.scalars)
+        return d_r, None, None, None
+
+    torch.library.register_autograd(
+        "rlhf_kernels::fused_gae", _fused_gae_bwd, setup_context=_fused_gae_setup
+    )
+    torch.library.register_autograd(
+        "rlhf_kernels::fused_returns", _fused_returns_bwd, setup_context=_fused_returns_setup
     )
 
 
@@ -248,8 +319,10 @@ def reverse_scan(x: torch.Tensor, coef: torch.Tensor, backend: str = "auto") -> 
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 
-def _prepare(name_tensors, cu_seqlens, mask):
-    """Validate inputs; return (2-D float tensors, is_last (B, T) bool, out_shape, out_dtype)."""
+def _validate(name_tensors, cu_seqlens, mask, backend):
+    """Every input check, before any work; returns the validated ``cu_seqlens`` list (or None)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     (n0, t0), *rest = name_tensors
     for n, t in name_tensors:
         if not isinstance(t, torch.Tensor):
@@ -267,21 +340,40 @@ def _prepare(name_tensors, cu_seqlens, mask):
             raise ValueError(
                 f"with cu_seqlens, {n0} must be packed 1-D (N,), got shape {tuple(t0.shape)}"
             )
-        cu = check_cu_seqlens(cu_seqlens, t0.shape[0])
-        is_last = torch.zeros(1, t0.shape[0], dtype=torch.bool, device=t0.device)
-        ends = [e - 1 for s, e in zip(cu[:-1], cu[1:]) if e > s]
-        is_last[0, ends] = True
-    elif mask is not None:
+        return check_cu_seqlens(cu_seqlens, t0.shape[0])
+    if mask is not None:
         if t0.dim() != 2:
             raise ValueError(
                 f"with mask, {n0} must be padded 2-D (B, T), got shape {tuple(t0.shape)}"
             )
+        return None
+    raise ValueError(
+        "give either cu_seqlens (packed 1-D layout) or mask (padded (B, T) layout); got neither"
+    )
+
+
+def _use_fused(op, backend, tensors, mask, cu):
+    """Whether the fused native op runs this call (auto / native backend, op built for the
+    device, one dtype, no gradient wanted for the mask); otherwise the delta + scan path does."""
+    t0 = tensors[0]
+    if backend not in ("auto", "native") or not _native_supports(t0.device, op):
+        return False
+    if any(t.dtype != t0.dtype for t in tensors) or (mask is not None and mask.requires_grad):
+        return False
+    return True
+
+
+def _prepare(name_tensors, cu, mask):
+    """The scan path's inputs (validated by ``_validate``; ``cu`` its list or None): 2-D float
+    tensors, is_last (B, T) bool, out_shape, out_dtype."""
+    t0 = name_tensors[0][1]
+    if cu is not None:
+        is_last = torch.zeros(1, t0.shape[0], dtype=torch.bool, device=t0.device)
+        ends = [e - 1 for s, e in zip(cu[:-1], cu[1:]) if e > s]
+        is_last[0, ends] = True
+    else:
         is_last = torch.zeros(t0.shape, dtype=torch.bool, device=t0.device)
         is_last[:, -1] = True
-    else:
-        raise ValueError(
-            "give either cu_seqlens (packed 1-D layout) or mask (padded (B, T) layout); got neither"
-        )
     out_dtype = t0.dtype
     work = out_dtype if out_dtype in _SCAN_DTYPES else torch.float32
     ts = [t.to(work).reshape(is_last.shape) for _, t in name_tensors]
@@ -311,14 +403,22 @@ def gae(
         cu_seqlens: int32/int64 ``(S + 1,)`` boundaries of the packed sequences, ending at ``N``.
         mask: ``(N,)`` or ``(B, T)`` 0/1 (bool or numeric) token mask; rewards and values are
             zeroed where it is 0. Required for the padded layout, optional for the packed one.
-        backend: scan backend, ``"auto"``, ``"native"``, ``"triton"`` or ``"torch"``.
+        backend: ``"auto"``, ``"native"``, ``"triton"`` or ``"torch"``. ``auto`` / ``native``
+            run the fused native op (mask, delta, scan and returns in one pass per sequence)
+            where it is built for the device; ``triton`` / ``torch`` (and ``auto`` without the
+            extension) build delta in torch and run that backend's scan.
     Returns:
         ``(advantages, returns)`` in rewards' shape and dtype; ``returns = advantages + values``
         (values masked). The value after the last token of each sequence is 0. Differentiable.
     """
-    (r, v), is_last, shape, dtype = _prepare(
-        [("rewards", rewards), ("values", values)], cu_seqlens, mask
-    )
+    tensors = [("rewards", rewards), ("values", values)]
+    cu = _validate(tensors, cu_seqlens, mask, backend)
+    if _use_fused("fused_gae", backend, (rewards, values), mask, cu_seqlens):
+        adv, ret = torch.ops.rlhf_kernels.fused_gae(
+            rewards, values, mask, cu_seqlens, float(gamma), float(lam)
+        )
+        return adv, ret
+    (r, v), is_last, shape, dtype = _prepare(tensors, cu, mask)
     v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1).masked_fill(is_last, 0.0)
     delta = r + gamma * v_next - v
     coef = torch.full_like(delta, gamma * lam).masked_fill(is_last, 0.0)
@@ -340,6 +440,10 @@ def discounted_returns(
     Args: as :func:`gae` (``rewards`` packed ``(N,)`` with ``cu_seqlens`` or padded ``(B, T)``
     with ``mask``). Returns: ``G`` in rewards' shape and dtype. Differentiable.
     """
-    (r,), is_last, shape, dtype = _prepare([("rewards", rewards)], cu_seqlens, mask)
+    tensors = [("rewards", rewards)]
+    cu = _validate(tensors, cu_seqlens, mask, backend)
+    if _use_fused("fused_returns", backend, (rewards,), mask, cu_seqlens):
+        return torch.ops.rlhf_kernels.fused_returns(rewards, mask, cu_seqlens, float(gamma))
+    (r,), is_last, shape, dtype = _prepare(tensors, cu, mask)
     coef = torch.full_like(r, gamma).masked_fill(is_last, 0.0)
     return reverse_scan(r, coef, backend).reshape(shape).to(dtype)
