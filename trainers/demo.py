@@ -9,21 +9,25 @@
    ``runs/demo/ppo/metrics.png``.
 
 Every stage is the real trainer program run as a subprocess (the command is printed), so the
-demo shows what a user types. Exits 1 if RL did not raise the mean reward by ``--min-gain``.
+demo shows what a user types. The recipe lives in ``trainers/warm_start.py`` (the SFT stage,
+the prompts) and in ``trainers.ppo``'s defaults (the RL hyper-parameters): ``python -m
+trainers.ppo`` with no arguments runs the same pipeline from a cached warm start. Exits 1 if RL
+did not raise the mean reward by ``--min-gain``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-TEMPLATE = ["--input-template", "{} ="]
+from trainers.warm_start import REWARD_FN, SFT_SEED, SFT_STEPS, TEMPLATE, sft_args, write_prompts
+
+__all__ = ["main", "write_prompts"]
 
 
 def run(module: str, args: list[str]) -> float:
@@ -32,19 +36,6 @@ def run(module: str, args: list[str]) -> float:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     return time.perf_counter() - t0
-
-
-def write_prompts(path: Path, n: int = 1000, seed: int = 123) -> Path:
-    """``first letter: <word>`` prompts (3-8 random lowercase letters) and their answers."""
-    rng = random.Random(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for _ in range(n):
-            word = "".join(
-                rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8))
-            )
-            f.write(json.dumps({"prompt": f"first letter: {word}", "target": word[0]}) + "\n")
-    return path
 
 
 def read(path: Path) -> list[dict]:
@@ -59,9 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the last three steps is not at least --min-gain above the first three.",
     )
     p.add_argument("--output-dir", default="runs/demo", help="where both runs write")
-    p.add_argument("--sft-steps", type=int, default=600, help="SFT warm-start steps")
+    p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="SFT warm-start steps")
     p.add_argument("--rl-steps", type=int, default=40, help="RL steps (rollout batches)")
-    p.add_argument("--seed", type=int, default=1, help="seed of both runs")
+    p.add_argument("--seed", type=int, default=SFT_SEED, help="seed of both runs")
     p.add_argument("--min-gain", type=float, default=0.2, help="required reward gain")
     return p.parse_args(argv)
 
@@ -69,20 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.output_dir)
-    seed = ["--seed", str(args.seed)]
-    t_sft = run("sft", [
-        "--output-dir", str(out / "sft"), "--max-steps", str(args.sft_steps), "--epochs", "20",
-        "--batch-size", "32", "--lr", "3e-3", "--max-len", "64", "--eval-ratio", "0.02",
-        "--logger", "none", *seed, *TEMPLATE,
-    ])  # fmt: skip
+    t_sft = run("sft", sft_args(out / "sft", args.sft_steps, args.seed))
     prompts = write_prompts(out / "prompts_first_letter.jsonl")
+    # the RL hyper-parameters are trainers.ppo's defaults (GRPO, 8 samples per prompt, ...)
     t_rl = run("ppo", [
         "--model", str(out / "sft" / "model"), "--output-dir", str(out / "ppo"),
-        "--dataset", str(prompts), "--reward-fn", "trainers.rewards:reverse_reward",
-        "--max-steps", str(args.rl_steps), "--advantage-estimator", "grpo",
-        "--n-samples-per-prompt", "8", "--rollout-batch-size", "16", "--batch-size", "32",
-        "--lr", "1e-3", "--temperature", "0.7", "--eval-steps", str(args.rl_steps),
-        "--logger", "tensorboard", *seed, *TEMPLATE,
+        "--dataset", str(prompts), "--reward-fn", REWARD_FN, "--input-template", TEMPLATE,
+        "--max-steps", str(args.rl_steps), "--logger", "tensorboard", "--seed", str(args.seed),
     ])  # fmt: skip
     m = read(out / "ppo")
     first = sum(x["reward_mean"] for x in m[:3]) / 3

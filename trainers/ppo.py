@@ -10,6 +10,7 @@ Every per-token tensor lives on the *actions* (response tokens) of each sample, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -37,20 +38,39 @@ def _f(default, help: str, **meta):
 
 @dataclass
 class PPOConfig(TrainConfig):
+    """Defaults: the recipe that raises the reward of the bundled tiny model on a CPU in about a
+    minute (``trainers/warm_start.py``)."""
+
+    model: str | None = _f(
+        None,
+        "local Hugging Face model folder (default: the bundled tiny Llama after an SFT warm "
+        "start, built once into a cache folder in about 30 s; see trainers/warm_start.py)",
+    )
+    dataset: str | None = _f(
+        None,
+        "comma-separated .jsonl/.json/.parquet/.csv prompt files or save_to_disk folders "
+        "(default: 1000 'first letter: <word>' prompts with a 'target' column, written once "
+        "into the cache folder)",
+    )
+    input_template: str | None = _f(
+        None,
+        "prompt template containing '{}' (default: '{} =' without --model, the format of the "
+        "warm start; none with --model)",
+    )
     reward_model: str | None = _f(None, "reward model folder saved by trainers.rm")
     reward_fn: str | None = _f(
         None,
         "reward function 'module:function' called with prompts=, responses= and the dataset's "
-        "other columns, returning one float per response (default for the bundled prompts: "
+        "other columns, returning one float per response (default for the default prompts: "
         "trainers.rewards:reverse_reward)",
     )
     critic_model: str | None = _f(None, "critic initialisation (default: --model); gae only")
     advantage_estimator: str = _f(
         "grpo", "advantages", choices=("gae", "reinforce", *GROUP_ESTIMATORS)
     )
-    n_samples_per_prompt: int = _f(4, "responses per prompt (group size)")
+    n_samples_per_prompt: int = _f(8, "responses per prompt (group size)")
     max_new_tokens: int = _f(12, "longest response")
-    temperature: float = _f(1.0, "sampling temperature (also divides the training logits)")
+    temperature: float = _f(0.7, "sampling temperature (also divides the training logits)")
     top_p: float = _f(1.0, "nucleus sampling")
     rollout_batch_size: int = _f(16, "prompts per step, over all data-parallel ranks")
     ppo_epochs: int = _f(1, "update passes over each rollout batch")
@@ -69,12 +89,17 @@ class PPOConfig(TrainConfig):
         "scatter", "how ring ranks get rollouts (ring attention)", choices=("scatter", "broadcast")
     )
     # PPO defaults differ from SFT's
-    batch_size: int = _f(64, "rollout samples per optimizer step (all ranks together)")
+    batch_size: int = _f(32, "rollout samples per optimizer step (all ranks together)")
     input_key: str = _f("prompt", "column holding the prompt")
     eval_ratio: float = _f(0.02, "held-out prompts, evaluated with greedy decoding")
-    lr: float = _f(2e-3, "actor AdamW learning rate")
+    lr: float = _f(1e-3, "actor AdamW learning rate")
+    warmup_steps: int = _f(
+        20,
+        "linear warm-up in optimizer steps (rollout samples per step / --batch-size of them per "
+        "rollout step); without it Adam's first steps can collapse a small policy",
+    )
     lr_scheduler: str = _f("constant", "decay after warm-up", choices=("cosine", "constant"))
-    max_steps: int | None = _f(12, "rollout steps (default 12; None: one pass over the prompts)")
+    max_steps: int | None = _f(40, "rollout steps (None: one pass over the prompts)")
     max_len: int = _f(128, "longest prompt in tokens")
     output_dir: str = _f("runs/ppo", "metrics.jsonl, TensorBoard, plot, checkpoints, model")
 
@@ -484,10 +509,32 @@ def ring_share(gen, session, reward, cfg, step, first, share) -> list[dict]:
     ]
 
 
+def resolve_defaults(cfg: PPOConfig) -> PPOConfig:
+    """Fill the defaults that need files: without ``--model`` the warm-started tiny model (built
+    once; concurrent ranks wait for one builder) and its prompt template, without ``--dataset``
+    the first-letter prompts and, unless a reward is given, their reward function."""
+    from trainers import warm_start
+
+    changes: dict = {}
+    if cfg.model is None:
+        try:
+            changes["model"] = warm_start.ensure_warm_start()
+        except (OSError, RuntimeError) as e:
+            common.fail(f"cannot build the default model (give --model): {e}")
+        if cfg.input_template is None:
+            changes["input_template"] = warm_start.TEMPLATE
+    if cfg.dataset is None:
+        changes["dataset"] = warm_start.first_letter_prompts()
+        if cfg.reward_fn is None and cfg.reward_model is None:
+            changes["reward_fn"] = warm_start.REWARD_FN
+    return dataclasses.replace(cfg, **changes)
+
+
 def train(cfg: PPOConfig) -> dict:
     from trainers.rollout import HFGenerationEngine
     from trainers.session import Session
 
+    cfg = resolve_defaults(cfg)
     s = Session.start(cfg, "ppo")
     rows, eval_rows = s.load_prompts()
     reward = s.load_reward()
