@@ -1,0 +1,117 @@
+"""Fused linear + cross-entropy with liger-kernel's interface, on our fused log-prob op.
+
+Switching from Liger is a change of import::
+
+    from rlhf_kernels import FusedLinearCrossEntropyLoss   # was LigerFusedLinearCrossEntropyLoss
+    loss = FusedLinearCrossEntropyLoss(ignore_index=-100)(lm_head.weight, hidden, labels)
+
+The ``(tokens, vocab)`` logits never exist: ``reduction="mean"|"sum"`` runs
+:func:`~rlhf_kernels.ops.linear_logprobs.linear_nll_loss` (gradients made in the forward, fp32
+weight-gradient accumulation), ``reduction="none"`` runs ``linear_logprobs`` (per-token values).
+Label smoothing needs no logits either: with ``u = h W^T + b``,
+``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``, and
+``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def fused_linear_cross_entropy(
+    _input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(_input, weight, bias), target, ...)`` without the logits.
+
+    Args:
+        _input: ``(..., H)`` hidden states (any leading shape), fp32/bf16/fp16.
+        weight: ``(V, H)`` lm_head weight, ``_input``'s dtype. bias: optional ``(V,)``.
+        target: int64 ``(...)`` (``_input``'s leading shape) ids in ``[0, V)`` or
+            ``ignore_index``; those tokens count in no reduction (as in ``F.cross_entropy``).
+        label_smoothing: in ``[0, 1]``, ``F.cross_entropy``'s meaning.
+        reduction: ``"mean"`` (over non-ignored tokens; 0 if none), ``"sum"`` or ``"none"``
+            (``target``'s shape, 0 at ignored tokens).
+        softcap: only ``None`` (Liger's logit soft-capping is not implemented here).
+    Returns: float32 loss.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None:
+        raise NotImplementedError(
+            f"softcap={softcap}: logit soft-capping is not supported by the fused op; "
+            f"pass softcap=None"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not isinstance(_input, torch.Tensor) or _input.dim() < 1:
+        raise ValueError(f"_input must be a (..., H) tensor, got {type(_input).__name__}")
+    if not isinstance(target, torch.Tensor) or target.shape != _input.shape[:-1]:
+        raise ValueError(
+            f"target must have _input's leading shape {tuple(_input.shape[:-1])}, got "
+            f"{tuple(getattr(target, 'shape', ()))}"
+        )
+    h, y = _input.reshape(-1, _input.shape[-1]), target.reshape(-1)
+    keep = y != ignore_index
+    if reduction == "none":
+        nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index)
+    else:
+        nll = linear_nll_loss(h, weight, y, bias=bias, ignore_index=ignore_index)
+        if reduction == "sum":
+            nll = nll * keep.sum()
+    if label_smoothing:
+        nll = nll + label_smoothing * _smoothing_term(h, weight, y, bias, keep, reduction)
+    return nll.view(target.shape) if reduction == "none" else nll
+
+
+def _smoothing_term(h, w, y, b, keep, reduction):
+    """``u_y - mean_v u_v`` per token (0 at ignored ones), reduced like the loss; fp32."""
+    y_safe = y.masked_fill(~keep, 0)
+    u_y = (h * w[y_safe]).float().sum(-1)
+    u_mean = h.float() @ w.float().mean(0)
+    if b is not None:
+        u_y = u_y + b[y_safe].float()
+        u_mean = u_mean + b.float().mean()
+    term = (u_y - u_mean) * keep
+    if reduction == "none":
+        return term
+    total = term.sum()
+    return total if reduction == "sum" else total / keep.sum().clamp_min(1)
+
+
+class FusedLinearCrossEntropyLoss(torch.nn.Module):
+    """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``.
+
+    Same constructor keywords (``ignore_index=-100``, ``label_smoothing=0.0``,
+    ``reduction="mean"``, ``softcap=None``) and call ``forward(lin_weight, _input, target,
+    bias=None)``; see :func:`fused_linear_cross_entropy`.
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: float | None = None,
+    ):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+        self.reduction, self.softcap = reduction, softcap
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return fused_linear_cross_entropy(
+            _input, lin_weight, target, bias, self.ignore_index, self.label_smoothing,
+            self.reduction, self.softcap,
+        )  # fmt: skip
