@@ -16,6 +16,9 @@ _EXPORTS = {
     "PackedBatch": "rlhf_kernels.packing",
     "pack_sequences": "rlhf_kernels.packing",
     "plan_micro_batches": "rlhf_kernels.packing",
+    "unpad_input": "rlhf_kernels.padding",
+    "pad_input": "rlhf_kernels.padding",
+    "sequence_to_tokens": "rlhf_kernels.padding",
     # attention
     "varlen_attention": "rlhf_kernels.ops.varlen_attention",
     # RL math

@@ -1,0 +1,68 @@
+"""Padded <-> packed conversions with flash-attn's ``bert_padding`` signatures, and spreading
+per-sequence values over packed tokens.
+
+``unpad_input`` / ``pad_input`` take and return what flash-attn 2.7+ does, so code written for it
+runs unchanged; both are differentiable (gradients flow through the gather / scatter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
+    """``(B, S, ...)`` + 0/1 mask ``(B, S)`` -> the real tokens, packed.
+
+    Args:
+        hidden_states: ``(B, S, ...)``.
+        attention_mask: ``(B, S)`` bool/int, 1 = real token (any padding side, holes allowed).
+        unused_mask: optional ``(B, S)``: tokens that are packed too but not counted as used
+            (flash-attn's meaning; the returned ``seqused`` counts only ``attention_mask``).
+    Returns:
+        ``(hidden (N, ...), indices (N,) int64 into the flattened B*S, cu_seqlens (B+1,) int32,
+        max_seqlen int, seqused (B,) int32)``.
+    """
+    if attention_mask.dim() != 2 or attention_mask.shape != hidden_states.shape[:2]:
+        raise ValueError(
+            f"attention_mask must be (batch, seqlen) = {tuple(hidden_states.shape[:2])}, got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    used = attention_mask.bool()
+    every = used if unused_mask is None else used | unused_mask.bool()
+    seqused = used.sum(-1, dtype=torch.int32)
+    lengths = every.sum(-1, dtype=torch.int32)
+    indices = every.reshape(-1).nonzero().flatten()
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu, int(lengths.max()) if lengths.numel() else 0, seqused
+
+
+def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int):
+    """Packed ``(N, ...)`` + the ``indices`` from :func:`unpad_input` -> ``(batch, seqlen, ...)``
+    with zeros at padding."""
+    if hidden_states.shape[0] != indices.shape[0]:
+        raise ValueError(
+            f"hidden_states has {hidden_states.shape[0]} tokens but indices {indices.shape[0]}"
+        )
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    return out.index_copy(0, indices, hidden_states).view(batch, seqlen, *hidden_states.shape[1:])
+
+
+def sequence_to_tokens(
+    values: torch.Tensor, cu_seqlens: torch.Tensor, total: int | None = None
+) -> torch.Tensor:
+    """Spread per-sequence values (rewards, advantages) over packed tokens.
+
+    Args:
+        values: ``(S, ...)``, one entry per sequence.
+        cu_seqlens: ``(S + 1,)`` boundaries of the packed stream.
+        total: number of tokens (``cu_seqlens[-1]``); given, no host sync is needed.
+    Returns: ``(total, ...)``: token ``t`` of sequence ``s`` holds ``values[s]``.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() != values.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens must be ({values.shape[0] + 1},) for {values.shape[0]} sequences, got "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(values.device)
+    return values.repeat_interleave(lengths, dim=0, output_size=total)

@@ -1,0 +1,44 @@
+"""unpad_input / pad_input (flash-attn's bert_padding signatures and returns) and
+sequence_to_tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_kernels import pad_input, sequence_to_tokens, unpad_input
+
+
+def test_unpad_pad_roundtrip_and_grad():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 0, 1, 1, 0]])
+    x = torch.randn(3, 5, 2, 4, requires_grad=True)
+    h, idx, cu, max_len, used = unpad_input(x, mask)
+    assert h.shape == (9, 2, 4) and idx.tolist() == [0, 1, 2, 7, 8, 9, 10, 12, 13]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 6, 9] and max_len == 3
+    assert used.tolist() == [3, 3, 3]
+    torch.testing.assert_close(h, x.reshape(15, 2, 4)[mask.reshape(-1).bool()])
+    back = pad_input(h * 2, idx, 3, 5)
+    assert back.shape == x.shape
+    torch.testing.assert_close(back, x * 2 * mask[..., None, None])
+    back.sum().backward()
+    torch.testing.assert_close(x.grad, 2.0 * mask[..., None, None].float().expand_as(x))
+
+
+def test_unused_mask_counts_in_cu_not_in_seqused():
+    mask = torch.tensor([[1, 1, 0, 0]])
+    unused = torch.tensor([[0, 0, 1, 0]])
+    h, idx, cu, max_len, used = unpad_input(torch.randn(1, 4, 3), mask, unused)
+    assert cu.tolist() == [0, 3] and used.tolist() == [2] and max_len == 3 and h.shape[0] == 3
+
+
+def test_sequence_to_tokens():
+    cu = torch.tensor([0, 2, 2, 5])
+    out = sequence_to_tokens(torch.tensor([1.0, 2.0, 3.0]), cu, total=5)
+    assert out.tolist() == [1.0, 1.0, 3.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match=r"cu_seqlens must be \(4,\) for 3 sequences"):
+        sequence_to_tokens(torch.zeros(3), torch.tensor([0, 5]))
+
+
+def test_bad_mask_shape():
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        unpad_input(torch.randn(2, 4, 3), torch.ones(2, 5))
