@@ -353,6 +353,28 @@ def _case_scatter(rank, world):
     return out
 
 
+def _case_scatter_pad_values(rank, world):
+    """Pad slots: -100 for label-like integer keys by default, 0 otherwise, overridable."""
+    samples = _token_samples(seed=8, n=10)
+    for smp in samples:
+        smp["labels"] = smp["input_ids"].clone()
+    pads_seen = 0
+    for layout in ("zigzag", "contiguous"):
+        stream = scatter_for_ring(
+            samples if rank == 0 else None, src=0, token_keys=["input_ids", "labels", "logp"],
+            layout=layout, max_chunk_bytes=BUDGET, pad_values={"logp": -1.5},
+        )  # fmt: skip
+        for plan, local, meta in stream:
+            valid = plan.valid_mask(rank)
+            batch = [samples[m["id"]] for m in meta]
+            for key, pad in (("input_ids", 0), ("labels", -100), ("logp", -1.5)):
+                want = plan.shard(torch.cat([b[key] for b in batch]), rank)
+                _same(local[key][valid], want[valid], key)
+                assert (local[key][~valid] == pad).all(), key
+            pads_seen += int((~valid).sum())
+    return pads_seen
+
+
 def _case_scatter_bad_sample(rank, world):
     samples = _token_samples(seed=6, n=12)
     samples[8]["logp"] = samples[8]["logp"][:-1]  # lengths disagree inside one sample
@@ -414,6 +436,7 @@ def _all_cases(rank, world):
         _case_metadata_heavy,
         _case_generate_raises,
         _case_scatter,
+        _case_scatter_pad_values,
         _case_scatter_bad_sample,
         _case_distributed,
     ):
@@ -433,6 +456,7 @@ def test_three_ranks_all_cases():
     ):
         assert res[0][name] == res[1][name] == res[2][name], name
     assert res[0]["_case_scatter_bad_sample"] == list(range(8))
+    assert sum(res[r]["_case_scatter_pad_values"] for r in range(3)) > 0  # pads were checked
     # each rank receives ~1/3 of the token bytes; together ~all of them (pads only)
     for key in res[0]["_case_scatter"]:
         full = res[0]["_case_scatter"][key][1]

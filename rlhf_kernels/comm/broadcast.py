@@ -228,6 +228,7 @@ def scatter_for_ring(
     max_chunk_bytes: int = 64 << 20,
     timeout: float | None = None,
     allow_early_stop: bool = False,
+    pad_values: dict[str, float] | None = None,
 ) -> Iterator[tuple[RingPlan, dict[str, torch.Tensor], list[dict[str, Any]]]]:
     """Stream ``samples`` from ``src`` so that each rank of the ring ``group`` gets only its shard.
 
@@ -260,12 +261,17 @@ def scatter_for_ring(
         timeout: seconds to wait for the handshake and each micro-batch header (default: the
             group's timeout).
         allow_early_stop: as in ``broadcast_chunked`` (same on every rank, checked).
+        pad_values: the value of each key at the shard's pad slots (``plan.valid_mask(rank)`` is
+            False there). Default: ``-100`` (the ignore index of the log-prob ops and losses)
+            for integer keys whose name contains ``"label"`` or ``"target"``, 0 for every other
+            key; entries given here override that.
 
     Yields:
         ``(plan, local_tensors, meta)`` on every rank: ``plan`` the micro-batch's ``RingPlan``
-        (``plan.cu_seqlens`` are the packed samples in order), ``local_tensors[key] ==
-        plan.shard(packed[key], rank)`` of shape ``(plan.local_len, *rest_key)`` (pads zero), and
-        ``meta`` the list of per-sample dicts of non-token fields.
+        (``plan.cu_seqlens`` are the packed samples in order), ``local_tensors[key]`` equal to
+        ``plan.shard(packed[key], rank)`` of shape ``(plan.local_len, *rest_key)`` with the
+        key's pad value at pad slots, and ``meta`` the list of per-sample dicts of non-token
+        fields.
 
     Raises:
         ValueError on every rank for mismatched ``src``/``token_keys``/``layout``/
@@ -293,7 +299,30 @@ def scatter_for_ring(
     }
     side = _scatter_side
     args = (samples, rank, world, token_keys, layout, max_chunk_bytes, bool(allow_early_stop))
-    return _stream_gen(name, error, fields, src, group, timeout, side, *args)
+    stream = _stream_gen(name, error, fields, src, group, timeout, side, *args)
+    return _with_pad_values(stream, rank, dict(pad_values or {}))
+
+
+def pad_value(key: str, dtype: torch.dtype, pad_values: dict) -> float:
+    """The pad-slot value of ``key`` (see ``scatter_for_ring``'s ``pad_values``)."""
+    if key in pad_values:
+        return pad_values[key]
+    label_like = any(w in key.lower() for w in ("label", "target"))
+    return -100 if label_like and not dtype.is_floating_point else 0
+
+
+def _with_pad_values(stream, rank: int, pad_values: dict):
+    """Yield the stream's items with every key's pad slots set to its pad value."""
+    try:
+        for plan, local, meta in stream:
+            for key, t in local.items():
+                value = pad_value(key, t.dtype, pad_values)
+                if value != 0:
+                    pads = ~plan.valid_mask(rank).to(t.device)
+                    local[key] = t.masked_fill(pads.view(-1, *[1] * (t.dim() - 1)), value)
+            yield plan, local, meta
+    finally:
+        stream.close()
 
 
 def _token_budget(token_keys):
