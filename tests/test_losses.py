@@ -183,3 +183,15 @@ def test_dual_clip_branch_is_hit():
     torch.testing.assert_close(stats["dual_clip_frac"], hit.double())
     # without the cap the loss is larger: the branch changes the value
     assert policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28) > out + 1e-3
+
+
+def test_packed_token_mean_needs_no_cu_seqlens():
+    g = torch.Generator().manual_seed(0)
+    logp, old, adv = (torch.randn(12, generator=g) for _ in range(3))
+    mask = torch.rand(12, generator=g) > 0.3
+    got = policy_loss(logp, old, adv, mask)  # token-mean: no boundaries needed
+    want = policy_loss(logp, old, adv, mask, cu_seqlens=torch.tensor([0, 5, 12]))
+    torch.testing.assert_close(got, want)
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        with pytest.raises(ValueError, match=f"aggregation='{agg}' needs sequence boundaries"):
+            policy_loss(logp, old, adv, mask, aggregation=agg)

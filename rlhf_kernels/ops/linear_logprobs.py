@@ -635,7 +635,7 @@ def linear_policy_loss(
             ``(T, H)`` tokens; ``labels[t]`` is the sampled token scored at position ``t``).
         old_logp, advantages: ``(T,)`` float, behaviour-policy log-probs and advantages.
         mask: ``(T,)`` 0/1 tokens that count (default all). cu_seqlens: ``(S + 1,)`` sequence
-            boundaries for the sequence-level aggregations (default: one sequence).
+            boundaries, needed by the sequence-level aggregations (not by ``"token-mean"``).
         clip_low, clip_high, dual_clip, aggregation: as
             :func:`rlhf_kernels.ops.losses.policy_loss`.
         ignore_index: tokens with this label are left out (as if masked).
@@ -647,12 +647,11 @@ def linear_policy_loss(
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index)
     losses._check_float(old_logp=old_logp, advantages=advantages)
     losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip)
-    T = hidden.shape[0]
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, T], device=hidden.device)
     ref = old_logp.float()
     lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
-    m, seq, n_seq = losses._token_layout("old_logp", ref, mask, cu_seqlens, advantages=advantages)
+    m, seq, n_seq = losses._token_layout(
+        "old_logp", ref, mask, cu_seqlens, aggregation, advantages=advantages
+    )
     if ignored is not None:  # a token with no label does not count
         m = m.masked_fill(ignored, 0.0) if m.is_floating_point() else m & ~ignored
     wt = losses._token_weights(m, seq, n_seq, aggregation)

@@ -58,8 +58,11 @@ def _check_float(**tensors):
             )
 
 
-def _token_layout(ref_name, ref, mask, cu_seqlens, **others):
-    """Validate; return (float mask of ref's shape, seq ids (same shape), number of sequences)."""
+def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
+    """Validate; return (float mask of ref's shape, seq ids (same shape), number of sequences).
+
+    A packed 1-D input without ``cu_seqlens`` is fine for token means (``aggregation`` None or
+    ``"token-mean"``: one stream); a sequence-level aggregation then needs the boundaries."""
     for name, t in others.items():
         if t.shape != ref.shape:
             raise ValueError(
@@ -79,6 +82,15 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, **others):
         lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=ref.device)
         seq = torch.repeat_interleave(torch.arange(len(lens), device=ref.device), lens)
         n_seq = len(lens)
+    elif ref.dim() == 1 and aggregation in (None, "token-mean"):
+        seq = torch.zeros_like(ref, dtype=torch.long)
+        n_seq = 1
+    elif ref.dim() == 1:
+        raise ValueError(
+            f"aggregation={aggregation!r} needs sequence boundaries: pass cu_seqlens "
+            f"((S + 1,) for the packed 1-D {ref_name}) or use the padded (B, T) layout with a "
+            f"mask; only 'token-mean' works without them"
+        )
     elif mask is not None:
         if ref.dim() != 2:
             raise ValueError(
@@ -165,7 +177,8 @@ def policy_loss(
             (token sum per sequence, then mean over sequences). The sequence means skip
             sequences without a selected token (empty segments, fully masked rows): they
             neither add to the loss nor to the number of sequences.
-        cu_seqlens: ``(S + 1,)`` boundaries for the packed layout.
+        cu_seqlens: ``(S + 1,)`` boundaries for the packed layout. A packed 1-D input needs
+            them only for the ``seq-mean-*`` aggregations (``"token-mean"`` works without).
         return_stats: also return a dict of detached scalars: ``clip_frac`` (tokens whose
             clipped term won), ``dual_clip_frac``, ``approx_kl`` (token mean of k3 between the
             old and new policy) and ``ratio_mean``.
@@ -174,7 +187,7 @@ def policy_loss(
     _check_float(logp=logp, old_logp=old_logp, advantages=advantages)
     _check_policy_args(aggregation, clip_low, clip_high, dual_clip)
     m, seq, n_seq = _token_layout(
-        "logp", logp, mask, cu_seqlens, old_logp=old_logp, advantages=advantages
+        "logp", logp, mask, cu_seqlens, aggregation, old_logp=old_logp, advantages=advantages
     )
     loss, unclipped, clipped, ratio, log_ratio = _ppo_token_loss(
         logp, old_logp, advantages, clip_low, clip_high, dual_clip
