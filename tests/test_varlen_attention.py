@@ -321,3 +321,108 @@ def test_equal_length_sequences_batched_in_sdpa(monkeypatch, causal, window, bat
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
     for g, rg in zip(torch.autograd.grad(out, (q, k, v), do.float()), ref_grads):
         torch.testing.assert_close(g.double(), rg, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- window_size forms
+@pytest.mark.parametrize(
+    "window",
+    [
+        [3, 0],
+        torch.tensor([3, 0]),
+        torch.tensor([3, 0], dtype=torch.int32),
+        (torch.tensor(3), 0),
+        pytest.param("numpy", id="numpy"),
+    ],
+)
+def test_window_size_any_integer_pair(window):
+    if isinstance(window, str):
+        np = pytest.importorskip("numpy")
+        window = np.array([3, 0])
+    a = _args()
+    ref = varlen_attention(**a, causal=True, window_size=(3, 0))
+    out = varlen_attention(**a, causal=True, window_size=window)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "window,exc,match",
+    [
+        ((3,), ValueError, r"window_size must be a pair of ints \(left, right\), got 1 entries"),
+        ([1, 2, 3], ValueError, "got 3 entries"),
+        (torch.tensor([[3, 0]]), ValueError, "got 1 entries"),
+        (torch.tensor([3.0, 0.0]), TypeError, "window_size .* got a float entry"),
+        (torch.tensor(3), TypeError, "window_size .* got Tensor"),
+        ((True, 0), TypeError, "window_size .* bool"),
+        ("ab", TypeError, "window_size .* got str"),
+        ({0: 1, 1: 2}, TypeError, "window_size .* got dict"),
+    ],
+)
+def test_window_size_bad_forms_raise(window, exc, match):
+    with pytest.raises(exc, match=match):
+        varlen_attention(**_args(), window_size=window)
+
+
+# ----------------------------------------------------------------------------- gradient precision
+def _out_and_grads(fn, inputs64, do, dtype):
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in inputs64)
+    out = fn(q, k, v)
+    return [out, *torch.autograd.grad(out, (q, k, v), do.to(dtype))]
+
+
+def _errors_vs_plain(dtype, lens, heads, kv_heads, dim, **kw):
+    """Max |error| vs float64 of out/dq/dk/dv: ours (torch backend) and plain torch in ``dtype``."""
+    inputs64 = [t.requires_grad_(True) for t in _qkv(lens, lens, heads, kv_heads, dim)]
+    cu = _cu(lens)
+    ref, _ = varlen_attention_reference(*inputs64, cu, cu, **kw)
+    do = torch.randn_like(ref)
+    exact = [ref, *torch.autograd.grad(ref, inputs64, do)]
+
+    def plain(q, k, v):  # K/V expanded by repeat_interleave, math in dtype
+        return varlen_attention_reference(q, k, v, cu, cu, **kw)[0]
+
+    def ours(q, k, v):
+        return varlen_attention(q, k, v, cu, cu, backend="torch", **kw)
+
+    errors = {}
+    for name, fn in (("plain", plain), ("ours", ours)):
+        got = _out_and_grads(fn, inputs64, do, dtype)
+        errors[name] = [(g.double() - e).abs().max().item() for g, e in zip(got, exact)]
+    return errors
+
+
+def _assert_within_twice_plain(errors):
+    for what, e_ours, e_plain in zip(("out", "dq", "dk", "dv"), errors["ours"], errors["plain"]):
+        assert e_ours <= 2 * e_plain, f"{what}: {e_ours:.3g} > 2 x plain {e_plain:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_gqa_gradients_within_twice_plain_torch(dtype):
+    """SDPA's enable_gqa backward summed the 32 heads' dK/dV in low precision: 2.3-3x plain."""
+    errors = _errors_vs_plain(dtype, [256, 5, 40], heads=32, kv_heads=1, dim=32, causal=True)
+    _assert_within_twice_plain(errors)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (7, -1))])
+def test_fp32_gradients_within_twice_plain_torch(kv_heads, causal, window):
+    """CPU's fused fp32 SDPA backward reached 2-4x plain fp32 error (dq worst)."""
+    errors = _errors_vs_plain(
+        torch.float32, [67, 1, 123, 31], 4, kv_heads, 40, causal=causal, window_size=window
+    )
+    _assert_within_twice_plain(errors)
+
+
+def test_fp32_without_gradients_keeps_fused_forward():
+    """Inference needs no backward: fp32 forward error of SDPA is plain torch's."""
+    lens = [67, 1, 123, 31]
+    q, k, v = _qkv(lens, lens, dim=40)
+    ref, _ = varlen_attention_reference(q, k, v, _cu(lens), _cu(lens), causal=True)
+    plain, _ = varlen_attention_reference(
+        q.float(), k.float(), v.float(), _cu(lens), _cu(lens), causal=True
+    )
+    with torch.no_grad():
+        out = varlen_attention(
+            q.float(), k.float(), v.float(), _cu(lens), _cu(lens), causal=True, backend="torch"
+        )
+    err, err_plain = ((t.double() - ref).abs().max().item() for t in (out, plain))
+    assert err <= 2 * err_plain, (err, err_plain)

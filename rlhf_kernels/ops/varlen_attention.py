@@ -134,10 +134,11 @@ def _torch_varlen_attention(
     else uses the explicit fp32 math of the reference, one sequence at a time.
 
     Precision: fp16/bf16 GQA expands K/V before SDPA (SDPA's own ``enable_gqa`` backward sums a
-    group's dK/dV in low precision, about 3x plain torch's error). fp32 on CPU with gradients
-    wanted runs the batches as explicit matmul/softmax instead of SDPA (the CPU fused kernel's
-    fp32 backward has 2-4x plain torch's error); it costs about 2x the time of the fused kernel
-    and keeps the probabilities for the backward, like the per-sequence path.
+    group's dK/dV in low precision: 2-4x plain torch's error). fp32 on CPU with gradients wanted
+    runs the batches as explicit matmul/softmax instead of SDPA (the CPU fused kernel's fp32
+    backward has 2-4x plain torch's error): 1.1-1.4x the fused time on typical packs, up to
+    3.4x for one long causal sequence (full scores), and the probabilities are kept for the
+    backward, as on the per-sequence path. Without gradients the fused kernel runs.
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
@@ -172,9 +173,9 @@ def _torch_varlen_attention(
         lses.append(lse.float())
     for (lq, lk), seqs in buckets.items():
         # SDPA's is_causal is top-left aligned: only used where lq == lk makes it agree
-        mask = attention_mask(lq, lk, causal, window_size, q.device) if windowed else None
-        if explicit:
-            mask = attention_mask(lq, lk, causal, window_size, q.device)
+        mask = (
+            attention_mask(lq, lk, causal, window_size, q.device) if windowed or explicit else None
+        )
         # the explicit path materializes the scores of every head: bound those, not the pairs
         step = max(1, _SDPA_BATCH_SCORES // max(lq * lk * (heads if explicit else 1), 1))
         for i in range(0, len(seqs), step):
@@ -290,16 +291,40 @@ def _flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+_WARNED: set[str] = set()
+
+
 def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float) -> str:
+    """The backend that runs the call; raises, naming the backend, if a requested one cannot.
+
+    ``"auto"``: ``flash_attn`` for fp16/bf16 CUDA tensors when flash-attn is installed, else
+    ``triton`` on CUDA, else ``torch``. Triton has no dropout, so ``"auto"`` with
+    ``dropout_p > 0`` on CUDA without flash-attn runs ``torch`` (SDPA) and warns once per process
+    (``backend="torch"`` chooses it silently).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cuda = _is_cuda(q)
     if backend == "auto":
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_available():
+        if cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_available():
             return "flash_attn"
-        if q.is_cuda and dropout_p == 0:
-            return "triton"
-        return "torch"
-    if backend == "flash_attn" and not (q.is_cuda and _flash_attn_available()):
+        if cuda and dropout_p > 0:
+            if "dropout" not in _WARNED:
+                _WARNED.add("dropout")
+                warnings.warn(
+                    f"varlen_attention(backend='auto', dropout_p={dropout_p}): the 'triton' "
+                    f"backend has no dropout and flash-attn cannot run ({q.dtype}, installed: "
+                    f"{_flash_attn_available()}), so the 'torch' backend runs; pass "
+                    f"backend='torch' to choose it explicitly",
+                    stacklevel=3,
+                )
+            return "torch"
+        return "triton" if cuda else "torch"
+    if backend == "flash_attn" and not (cuda and _flash_attn_available()):
         raise ValueError("backend='flash_attn' needs CUDA tensors and the flash-attn package")
     if backend == "triton" and dropout_p > 0:
         raise ValueError(f"backend='triton' does not support dropout, got dropout_p={dropout_p}")
@@ -331,10 +356,12 @@ def varlen_attention(
             ``h`` reads kv head ``h // (heads // kv_heads)``). head_dim <= 256, any value.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, ``[0, ..., total]``, non-decreasing.
         max_seqlen_q, max_seqlen_k: longest sequence (used for the kernel grid); None computes it.
-        dropout_p: attention dropout (torch and flash_attn backends only).
+        dropout_p: attention dropout (torch and flash_attn backends only; ``"auto"`` on CUDA
+            without flash-attn then runs torch and warns once, see :func:`resolve_backend`).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: bottom-right aligned causal mask.
-        window_size: ``(left, right)`` sliding window; -1 means unbounded.
+        window_size: ``(left, right)`` sliding window, any length-2 sequence or integer tensor;
+            -1 means unbounded.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2).
         return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32 (natural log of the
             masked, scaled, capped scores' exp-sum; ``-inf`` for a query that sees no key).
@@ -351,7 +378,7 @@ def varlen_attention(
         scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
         return compiled_varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            tuple(window_size), softcap, return_lse, resolve_backend(backend, q, dropout_p),
+            _window_pair(window_size), softcap, return_lse, resolve_backend(backend, q, dropout_p),
         )  # fmt: skip
     cu_q, cu_k = _check_inputs(
         q,
@@ -396,21 +423,90 @@ def varlen_attention(
             float(softcap),
         )
         return (out, lse) if return_lse else out
+    return _flash_attn_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        cu_q,
+        cu_k,
+        dropout_p,
+        scale,
+        causal,
+        window_size,
+        float(softcap),
+        return_lse,
+    )
+
+
+# ----------------------------------------------------------------------------- flash-attn
+def _keyless_rows(cu_q, cu_k, causal, window_size) -> list[tuple[int, int]]:
+    """Token ranges ``[start, stop)`` of the queries that see no key (module docstring's mask)."""
+    right = 0 if causal else window_size[1]
+    rows = []
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        # query i sees keys j <= i + lk - lq + right (a left bound never empties a row)
+        n = lq if lk == 0 else (min(lq, max(0, lq - lk - right)) if right >= 0 else 0)
+        if n:
+            rows.append((cu_q[b], cu_q[b] + n))
+    return rows
+
+
+def _flash_attn_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    cu_q,
+    cu_k,
+    dropout_p,
+    scale,
+    causal,
+    window_size,
+    softcap,
+    return_lse,
+):
+    """flash-attn's ``flash_attn_varlen_func``, its lse brought to this module's convention.
+
+    The lse comes back ``(heads, total_q)`` (older flash-attn pads it to ``(batch, heads,
+    max_seqlen_q)``); queries that see no key get output 0 and lse ``-inf`` (flash-attn 2
+    writes ``+inf`` there).
+    """
     from flash_attn import flash_attn_varlen_func
 
+    lens_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    lens_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
     res = flash_attn_varlen_func(
         q,
         k,
         v,
         cu_seqlens_q.int(),
         cu_seqlens_k.int(),
-        int(max_seqlen_q),
-        int(max_seqlen_k),
+        max(lens_q, default=0),
+        max(lens_k, default=0),
         dropout_p=dropout_p,
         softmax_scale=scale,
         causal=causal,
         window_size=window_size,
-        softcap=float(softcap),
+        softcap=softcap,
         return_attn_probs=return_lse,
     )
-    return (res[0], res[1]) if return_lse else res
+    out, lse = (res[0], res[1]) if return_lse else (res, None)
+    if lse is not None and lse.dim() == 3:  # padded: keep each sequence's real rows
+        lse = torch.cat(
+            [lse.new_empty(lse.shape[1], 0)] + [lse[b, :, :n] for b, n in enumerate(lens_q)], 1
+        )
+    rows = _keyless_rows(cu_q, cu_k, causal, window_size)
+    if rows:
+        empty = torch.zeros(q.shape[0], dtype=torch.bool)
+        for a, b in rows:
+            empty[a:b] = True
+        empty = empty.to(q.device)
+        # out of place: flash-attn saved its out/lse for the backward
+        out = out.masked_fill(empty[:, None, None], 0.0)
+        if lse is not None:
+            lse = lse.masked_fill(empty, float("-inf"))
+    return (out, lse.float()) if return_lse else out
