@@ -51,7 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--output-dir", default="runs/demo", help="where both runs write")
     p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="SFT warm-start steps")
-    p.add_argument("--rl-steps", type=int, default=40, help="RL steps (rollout batches)")
+    p.add_argument(
+        "--rl-steps", type=int, default=None, help="RL steps (default: trainers.ppo's --max-steps)"
+    )
     p.add_argument("--seed", type=int, default=SFT_SEED, help="seed of both runs")
     p.add_argument("--min-gain", type=float, default=0.2, help="required reward gain")
     return p.parse_args(argv)
@@ -63,10 +65,11 @@ def main(argv=None) -> dict:
     t_sft = run("sft", sft_args(out / "sft", args.sft_steps, args.seed))
     prompts = write_prompts(out / "prompts_first_letter.jsonl")
     # the RL hyper-parameters are trainers.ppo's defaults (GRPO, 8 samples per prompt, ...)
+    steps = ["--max-steps", str(args.rl_steps)] if args.rl_steps is not None else []
     t_rl = run("ppo", [
         "--model", str(out / "sft" / "model"), "--output-dir", str(out / "ppo"),
         "--dataset", str(prompts), "--reward-fn", REWARD_FN, "--input-template", TEMPLATE,
-        "--max-steps", str(args.rl_steps), "--logger", "tensorboard", "--seed", str(args.seed),
+        *steps, "--logger", "tensorboard", "--seed", str(args.seed),
     ])  # fmt: skip
     m = read(out / "ppo")
     first = sum(x["reward_mean"] for x in m[:3]) / 3

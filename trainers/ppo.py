@@ -99,7 +99,7 @@ class PPOConfig(TrainConfig):
         "rollout step); without it Adam's first steps can collapse a small policy",
     )
     lr_scheduler: str = _f("constant", "decay after warm-up", choices=("cosine", "constant"))
-    max_steps: int | None = _f(40, "rollout steps (None: one pass over the prompts)")
+    max_steps: int | None = _f(60, "rollout steps (None: one pass over the prompts)")
     max_len: int = _f(128, "longest prompt in tokens")
     output_dir: str = _f("runs/ppo", "metrics.jsonl, TensorBoard, plot, checkpoints, model")
 
@@ -428,13 +428,16 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
         )
         if cfg.kl_in_loss and cfg.kl_coef:
             ref = _cat(mb, "ref_logp").to(dev)
-            loss = loss + cfg.kl_coef * kl_penalty(logp, ref, cfg.kl_estimator).mean()
+            kl = kl_penalty(logp, ref, cfg.kl_estimator)
+            loss = loss + cfg.kl_coef * kl.sum() / max(kl.numel(), 1)
+        # a ring shard may hold no action token: its mean is 0 (weight 0), not NaN
+        ent_mean = ent.sum() / max(ent.numel(), 1)
         if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ent.mean()
+            loss = loss - cfg.entropy_coef * ent_mean
         # DeepSpeed averages over its dp x ring ranks: scale back to a sum of global shares
         accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
         totals["policy_loss"] += loss.item() * weight
-        totals["entropy"] += ent.mean().item() * weight
+        totals["entropy"] += ent_mean.item() * weight
         totals["clip_fraction"] += stats["clip_frac"].item() * weight
         totals["approx_kl"] += stats["approx_kl"].item() * weight
     out = dict(zip(totals, sum_across([v / layout.tp for v in totals.values()], layout)))
