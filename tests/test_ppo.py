@@ -198,23 +198,42 @@ def test_data_parallel_reproduces_the_first_step(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "extra",
+    "extra,untrained",
     [
-        ["--rollout-distribution", "scatter"],
-        [
-            "--rollout-distribution",
-            "broadcast",
-            "--advantage-estimator",
-            "gae",
-            "--kl-coef",
-            "0.05",
-        ],
+        (["--rollout-distribution", "scatter"], True),
+        (
+            [
+                "--rollout-distribution",
+                "broadcast",
+                "--advantage-estimator",
+                "gae",
+                "--kl-coef",
+                "0.05",
+            ],
+            False,
+        ),
     ],
     ids=["scatter-grpo", "broadcast-gae"],
 )
-def test_ring_rollouts_reproduce_the_single_process_run(extra, tmp_path):
+def test_ring_rollouts_reproduce_the_single_process_run(extra, untrained, tmp_path):
     """Ring ranks generate shares and keep only token shards; both steps (rollouts, KL,
-    advantages, losses, gradient norms, critic) equal the 1-process run."""
+    advantages, losses, gradient norms, critic) equal the 1-process run. broadcast-gae runs
+    the default (warm-started) model, whose 2-token answers leave some ring ranks without an
+    action token; scatter-grpo the untrained one on the "reverse" prompts: with GRPO the
+    warm model's paired answers cancel many gradient entries to rounding noise, which Adam's
+    first step turns into full-size updates of either sign, so step 2 would compare noise."""
+    if untrained:
+        from trainers.data import make_default_path
+        from trainers.tiny import ensure_tiny
+
+        extra = extra + [
+            "--model",
+            ensure_tiny(),
+            "--dataset",
+            make_default_path("prompts_toy.jsonl"),
+            "--reward-fn",
+            "trainers.rewards:reverse_reward",
+        ]
     run_trainer("ppo", FAST + extra, tmp_path / "one")
     run_trainer("ppo", FAST + extra + ["--ring-attn-size", "2"], tmp_path / "ring", nproc=2)
     one, ring = metrics(tmp_path / "one"), metrics(tmp_path / "ring")
