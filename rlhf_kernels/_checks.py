@@ -81,3 +81,41 @@ def device_guard(t: torch.Tensor):
     if t.is_cuda:
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+def as_cu_seqlens(cu_seqlens, device: torch.device, name: str = "cu_seqlens"):
+    """``cu_seqlens`` as given, or a list/tuple of ints converted to an int32 tensor on ``device``.
+
+    None passes through; anything else that is not a tensor is a TypeError naming ``name``."""
+    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+            bad = [type(x).__name__ for x in cu_seqlens if not isinstance(x, int)][:3]
+            raise TypeError(f"{name} as a list/tuple must hold Python ints, got {bad}")
+        return torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    raise TypeError(
+        f"{name} must be an int32/int64 tensor or a list of ints, got {type(cu_seqlens).__name__}"
+    )
+
+
+def check_mask(mask: torch.Tensor | None, name: str = "mask") -> None:
+    """ValueError unless every value of a numeric ``mask`` is 0 or 1 (bool masks pass).
+
+    A mask of 2 would silently act as a weight. The check reads the mask (a host sync); it is
+    skipped while torch.compile traces (a data-dependent branch there would break the graph)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
+    if mask.dtype == torch.bool or torch.compiler.is_compiling():
+        return
+    if mask.is_complex():
+        raise TypeError(f"{name} must be bool or real numeric, got {mask.dtype}")
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        vals = mask[bad].unique()[:5].tolist()
+        raise ValueError(
+            f"{name} values must be 0 or 1 (a token counts or not), got {int(bad.sum())} "
+            f"other value(s): {vals}; pass weights separately, not in the mask"
+        )

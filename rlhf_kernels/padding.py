@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_kernels._checks import as_cu_seqlens, check_mask
+
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
     """``(B, S, ...)`` + 0/1 mask ``(B, S)`` -> the real tokens, packed.
@@ -27,6 +29,14 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
             f"attention_mask must be (batch, seqlen) = {tuple(hidden_states.shape[:2])}, got "
             f"{tuple(attention_mask.shape)}"
         )
+    check_mask(attention_mask, "attention_mask")
+    if unused_mask is not None:
+        if unused_mask.shape != attention_mask.shape:
+            raise ValueError(
+                f"unused_mask must have attention_mask's shape {tuple(attention_mask.shape)}, "
+                f"got {tuple(unused_mask.shape)}"
+            )
+        check_mask(unused_mask, "unused_mask")
     used = attention_mask.bool()
     every = used if unused_mask is None else used | unused_mask.bool()
     seqused = used.sum(-1, dtype=torch.int32)
@@ -55,10 +65,11 @@ def sequence_to_tokens(
 
     Args:
         values: ``(S, ...)``, one entry per sequence.
-        cu_seqlens: ``(S + 1,)`` boundaries of the packed stream.
+        cu_seqlens: ``(S + 1,)`` boundaries of the packed stream (tensor or list of ints).
         total: number of tokens (``cu_seqlens[-1]``); given, no host sync is needed.
     Returns: ``(total, ...)``: token ``t`` of sequence ``s`` holds ``values[s]``.
     """
+    cu_seqlens = as_cu_seqlens(cu_seqlens, values.device)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() != values.shape[0] + 1:
         raise ValueError(
             f"cu_seqlens must be ({values.shape[0] + 1},) for {values.shape[0]} sequences, got "

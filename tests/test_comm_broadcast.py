@@ -198,7 +198,7 @@ def _case_bad_arguments(rank, world):
     with pytest.raises(ValueError, match="samples must be None|invalid arguments"):
         list(broadcast_chunked(samples, src=0, max_chunk_bytes=BUDGET))
     keys = ["input_ids", "logp"] if rank != 1 else ["input_ids"]
-    with pytest.raises(ValueError, match="token_keys"):
+    with pytest.raises(ValueError, match="token_keys") as err:
         list(
             scatter_for_ring(
                 _token_samples(3, 4) if rank == 0 else None,
@@ -207,6 +207,9 @@ def _case_bad_arguments(rank, world):
                 max_chunk_bytes=BUDGET,
             )
         )
+    # the keys themselves, per rank (not their CRCs)
+    assert "1: \"('input_ids',)\"" in str(err.value), str(err.value)
+    assert "0: \"('input_ids', 'logp')\"" in str(err.value), str(err.value)
     with pytest.raises(ValueError, match="allow_early_stop"):
         list(
             broadcast_chunked(

@@ -106,7 +106,7 @@ def test_bad_input():
     h, w, b, labels = _inputs()
     with pytest.raises(ValueError, match="weight must be"):
         linear_logprobs(h, w[:, :5], labels)
-    with pytest.raises(ValueError, match="labels must have shape"):
+    with pytest.raises(ValueError, match=r"labels must have hidden's leading shape \(67,\)"):
         linear_logprobs(h, w, labels[:5])
     with pytest.raises(TypeError, match="weight dtype must equal"):
         linear_logprobs(h, w.double(), labels)
@@ -114,11 +114,13 @@ def test_bad_input():
         linear_logprobs(h, w, labels, b[:7])
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 1003\)"):
         linear_logprobs(h, w, labels.clone().fill_(V))
-    with pytest.raises(ValueError, match="hidden must be 2-D"):
-        linear_logprobs(h[None], w, labels)
+    with pytest.raises(ValueError, match=r"labels must have hidden's leading shape \(1, 67\)"):
+        linear_logprobs(h[None], w, labels)  # padded hidden needs padded labels
+    with pytest.raises(ValueError, match=r"hidden must be packed \(T, H\) or padded"):
+        linear_logprobs(h[0], w, labels)
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         linear_logprobs(h, w, labels, chunk_tokens=0)
-    with pytest.raises(ValueError, match="mask must have shape"):
+    with pytest.raises(ValueError, match="mask must have labels' shape"):
         linear_nll_loss(h, w, labels, torch.ones(3))
 
 

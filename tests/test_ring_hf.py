@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlhf_kernels.ops.linear_logprobs import linear_nll_loss
 from rlhf_kernels.ring.gather import ring_token_mean
 from rlhf_kernels.ring.plan import RingPlan
 from rlhf_kernels.ring.spawn import run_gloo
@@ -15,12 +16,12 @@ LENGTHS = [23, 1, 40, 2, 17]  # uneven, a length-1 document, one shorter than th
 VOCAB = 61
 
 
-def _model():
+def _model(ring_only=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhf_kernels.integrations.hf import register
+    from rlhf_kernels.integrations.hf import register, register_ring
 
-    name = register()
+    name = register_ring() if ring_only else register()
     cfg = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -114,6 +115,30 @@ def _compare(rank, world, layout, comm):
     dist.all_reduce(hf_total)
     err["hf_loss"] = abs(hf_total.item() - ref_loss.item())
     err["hf_grad_rel"] = _grad_err(model, ref_grads)
+
+    # one call: the fused loss on the hidden states with group= (ring-wide token count)
+    model.zero_grad()
+    with ring_context(plan, comm=comm):
+        hidden = model.model(
+            input_ids=plan.shard(ids, rank)[None], position_ids=plan.position_ids(rank)[None]
+        ).last_hidden_state[0]
+    fused = linear_nll_loss(hidden, model.lm_head.weight, shift, group=dist.group.WORLD)
+    fused.backward()
+    fused_total = fused.detach().clone()
+    dist.all_reduce(fused_total)
+    err["fused_loss"] = abs(fused_total.item() - ref_loss.item())
+    err["fused_grad_rel"] = _grad_err(model, ref_grads)
+
+    # a ring-only model refuses a sharded forward outside ring_context, runs inside it
+    ring_model = _model(ring_only=True)
+    shard = dict(input_ids=plan.shard(ids, rank)[None], position_ids=plan.position_ids(rank)[None])
+    try:
+        ring_model(**shard)
+        err["outside_ctx"] = None
+    except RuntimeError as e:
+        err["outside_ctx"] = str(e)
+    with ring_context(plan, comm=comm):
+        err["ring_only"] = (ring_model(**shard).logits[0] - logits).abs().max().item()
     return err
 
 
@@ -130,3 +155,7 @@ def test_llama_ring_matches_single_process(world):
             assert err["hf_loss"] < 1e-5, (rank, cfg, err)
             assert err["grad_rel"] < 1e-4, (rank, cfg, err)
             assert err["hf_grad_rel"] < 1e-4, (rank, cfg, err)
+            assert err["fused_loss"] < 1e-5, (rank, cfg, err)
+            assert err["fused_grad_rel"] < 1e-4, (rank, cfg, err)
+            assert "only inside `with ring_context" in (err["outside_ctx"] or ""), err
+            assert err["ring_only"] < 1e-6, (rank, cfg, err)

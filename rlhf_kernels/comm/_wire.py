@@ -91,14 +91,22 @@ def all_gather_rows(row: list[int], *, group, device, timeout, what: str) -> lis
 
 
 def handshake(
-    fields: dict[str, int], local_error: str | None, *, group, device, who: str, timeout=None
+    fields: dict[str, int | str],
+    local_error: str | None,
+    *,
+    group,
+    device,
+    who: str,
+    timeout=None,
 ) -> None:
     """All-gather every rank's argument fingerprint; raise the same error on every rank when
     the ranks disagree or any rank was called with bad arguments. ``timeout`` (a timedelta or
-    None) bounds the wait for ranks that never join."""
+    None) bounds the wait for ranks that never join. A ``str`` field travels as its CRC; on a
+    mismatch the texts themselves are gathered so the error shows every rank's value."""
     names = list(fields)
     rows = all_gather_rows(
-        [MAGIC, int(local_error is None)] + [fields[n] for n in names],
+        [MAGIC, int(local_error is None)]
+        + [fingerprint(v) if isinstance(v, str) else v for v in fields.values()],
         group=group,
         device=device,
         timeout=timeout,
@@ -115,6 +123,15 @@ def handshake(
     for i, name in enumerate(names):
         values = [row[2 + i] for row in rows]
         if len(set(values)) > 1:
+            if isinstance(fields[name], str):  # same branch on every rank: rows agree
+                texts = all_gather_rows(
+                    encode_message(fields[name]),
+                    group=group,
+                    device=device,
+                    timeout=timeout,
+                    what=f"{who}: the handshake",
+                )
+                values = [decode_message(t) for t in texts]
             raise ValueError(
                 f"{who}: every rank must pass the same {name}, got "
                 f"{dict(enumerate(values))} (rank: value)"

@@ -293,7 +293,7 @@ def scatter_for_ring(
         "kind": 2,
         "src": src,
         "max_chunk_bytes": max_chunk_bytes,
-        "token_keys": _wire.fingerprint(repr(token_keys)),
+        "token_keys": repr(token_keys),
         "layout": LAYOUTS.index(layout),
         "allow_early_stop": int(bool(allow_early_stop)),
     }

@@ -7,6 +7,10 @@ builds a dense ``(B, 1, S, S)`` mask for it; it hands over the 2-D padding mask 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="rlhf_kernels")
     out = model(**packed_model_inputs(samples))   # one [1, T] stream, no attention mask
 
+``register_ring()`` adds ``"rlhf_kernels_ring"``: the same function, except that it raises
+outside ``ring_context`` (so a sharded forward without the context cannot silently attend within
+one rank's shard).
+
 The attention function picks, in order:
 
 1. ``ring_context(plan, ...)`` active: ``rlhf_kernels.ring.attention.ring_varlen_attention`` on
@@ -42,6 +46,7 @@ from rlhf_kernels.ops.varlen_attention import BACKENDS, varlen_attention
 from rlhf_kernels.packing import IGNORE_INDEX, pack_sequences
 
 ATTN_NAME = "rlhf_kernels"
+RING_ATTN_NAME = "rlhf_kernels_ring"  # register_ring(): refuses to run outside ring_context
 # transformers' own implementations: register() must not replace them
 _BUILTIN_IMPLEMENTATIONS = (
     "eager",
@@ -397,6 +402,35 @@ def register(name: str = ATTN_NAME, backend: str = "auto") -> str:
 
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+def register_ring(name: str = RING_ATTN_NAME, backend: str = "auto") -> str:
+    """Register a ring-only attention implementation under ``name``: it runs ring attention
+    inside ``ring_context`` and raises outside it.
+
+    A model sharded by a ``RingPlan`` but run without ``ring_context`` would attend within the
+    local shard only and give a plausible, wrong loss; a model loaded with this name cannot.
+    Arguments and return value as :func:`register`.
+    """
+    if not isinstance(name, str) or not name or name in _BUILTIN_IMPLEMENTATIONS:
+        raise ValueError(f"name must be a new attn_implementation string, got {name!r}")
+
+    def ring_only(module, query, *args, **kwargs):
+        if not _RING_OPEN[0] or _RING.get() is None:
+            raise RuntimeError(
+                f"attn_implementation={name!r} runs only inside `with ring_context(plan, "
+                f"group):` (this forward has no active ring, so each rank would attend within "
+                f"its own shard and the loss would be wrong); wrap the sharded forward in "
+                f"ring_context, or load the model with attn_implementation={ATTN_NAME!r} for "
+                f"single-device packed attention"
+            )
+        return rlhf_attention_forward(module, query, *args, backend=backend, **kwargs)
+
+    register(name, backend)  # validates backend, registers the mask function
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, ring_only)
     return name
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_kernels._checks import check_mask
+
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 
 
@@ -85,6 +87,7 @@ def whiten(
     else:
         if mask.shape != x.shape:
             raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
+        check_mask(mask)
         m = mask.to(x.dtype)
     n = m.sum()
     mean = (x * m).sum() / n.clamp_min(1)

@@ -1,7 +1,10 @@
-"""``torch.compile`` support: packed attention and its data-dependent helpers as custom ops.
+"""``torch.compile`` support: packed attention, fused log-probs and data-dependent helpers as
+custom ops.
 
-Under ``torch.compile`` (``torch.compiler.is_compiling()``), :func:`varlen_attention` and the
-transformers integration route through the ``torch.library`` custom ops below. Each has a fake
+Under ``torch.compile`` (``torch.compiler.is_compiling()``), :func:`varlen_attention`, the
+transformers integration, ``linear_logprobs`` (and the losses built on it), ``policy_loss`` /
+``value_loss`` with ``cu_seqlens`` and ``gae`` / ``discounted_returns`` with ``cu_seqlens`` route
+their data-dependent parts through the ``torch.library`` custom ops below. Each has a fake
 implementation (shapes only), so dynamo traces a model with our attention without a graph break,
 forward and backward (as flash-attn registers its own ops). What dynamo cannot trace (reading
 ``cu_seqlens`` on the host to validate it, finding sample starts in ``position_ids``, the
@@ -15,6 +18,11 @@ bad input still raises, before any work.
 - ``rlhf_kernels::segments_from_position_ids`` -> int32 ``cu_seqlens`` (data-dependent length).
 - ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
   mask (data-dependent lengths).
+- ``rlhf_kernels::linear_logprobs_fwd`` / ``_bwd`` -> the fused lm_head + log-prob blocks
+  (``(logp, entropy, lse)`` / ``(dhidden, dweight, dbias)``), label range checked at run time.
+- ``rlhf_kernels::safe_labels`` -> labels clamped for gathering, after the range check.
+- ``rlhf_kernels::segment_ids`` -> the sequence index of every packed token (validates
+  ``cu_seqlens``); the sequence aggregations and GAE's segment ends are built from it.
 
 Attention dropout is not routed here (it falls back to eager, with a graph break).
 """
@@ -185,3 +193,134 @@ def compiled_varlen_attention(
             f"return_lse under torch.compile needs backend='triton', got backend={backend!r}"
         )
     return out, lse
+
+
+# ----------------------------------------------------------------------------- RL math
+@torch.library.custom_op("rlhf_kernels::linear_logprobs_fwd", mutates_args=())
+def linear_logprobs_fwd(
+    h: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    labels: Tensor,
+    safe: Tensor,
+    temperature: float,
+    want_entropy: bool,
+    tc: int,
+    vc: int,
+    ignore_index: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp, entropy or empty, lse)`` for the gatherable labels ``safe``; ``labels`` (raw,
+    with ignore_index) is only range-checked here, at run time, as in eager mode."""
+    from rlhf_kernels.ops import linear_logprobs as mod
+    from rlhf_kernels.ops.logprobs import check_label_range
+
+    check_label_range(labels, w.shape[0], ignore_index, mod.CHECK_LABELS_ON_CUDA)
+    inv_tau = 1.0 / temperature
+    with device_guard(h):
+        logp, ent, lse = mod._forward(
+            h, w, mod._scaled_bias(b, inv_tau), safe, inv_tau, tc, vc, want_entropy
+        )
+    return logp, (ent if want_entropy else lse.new_empty(0)), lse
+
+
+@linear_logprobs_fwd.register_fake
+def _(h, w, b, labels, safe, temperature, want_entropy, tc, vc, ignore_index):
+    t = h.new_empty(h.shape[0], dtype=torch.float32)
+    return t, (torch.empty_like(t) if want_entropy else t.new_empty(0)), torch.empty_like(t)
+
+
+@torch.library.custom_op("rlhf_kernels::linear_logprobs_bwd", mutates_args=())
+def linear_logprobs_bwd(
+    h: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    safe: Tensor,
+    temperature: float,
+    tc: int,
+    vc: int,
+    lse: Tensor,
+    ent: Tensor,
+    g_lp: Tensor,
+    g_ent: Tensor | None,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dhidden, dweight, dbias)``; an input whose ``needs`` entry is False gets an empty."""
+    from rlhf_kernels.ops import linear_logprobs as mod
+
+    inv_tau = 1.0 / temperature
+    with device_guard(h):
+        dh, dw, db = mod._backward(
+            h, w, mod._scaled_bias(b, inv_tau), safe, inv_tau, tc, vc, lse, ent,
+            g_lp.float(), None if g_ent is None else g_ent.float(), tuple(needs),
+        )  # fmt: skip
+    dh, dw, db = mod._cast_grads(dh, dw, db, h, b)
+    empty = h.new_empty(0)
+    return tuple(empty if g is None else g for g in (dh, dw, db))
+
+
+@linear_logprobs_bwd.register_fake
+def _(h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs):
+    like = (h, w, b if b is not None else h.new_empty(0))
+    return tuple(torch.empty_like(t) if n else h.new_empty(0) for t, n in zip(like, needs))
+
+
+def _llp_setup(ctx, inputs, output):
+    h, w, b, _, safe, temperature, _, tc, vc, _ = inputs
+    ctx.save_for_backward(h, w, b, safe, output[2], output[1])
+    ctx.cfg = (temperature, tc, vc, b is not None)
+
+
+def _llp_backward(ctx, g_lp, g_ent, g_lse):
+    del g_lse  # lse is not an output of linear_logprobs
+    h, w, b, safe, lse, ent = ctx.saved_tensors
+    temperature, tc, vc, has_b = ctx.cfg
+    ng = ctx.needs_input_grad
+    needs = [bool(ng[0]), bool(ng[1]), bool(has_b and ng[2])]
+    g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
+    g_ent = g_ent if (g_ent is not None and ent.numel()) else None
+    dh, dw, db = linear_logprobs_bwd(
+        h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs
+    )
+    grads = [g if n else None for g, n in zip((dh, dw, db), needs)]
+    return (*grads, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd(
+    "rlhf_kernels::linear_logprobs_fwd", _llp_backward, setup_context=_llp_setup
+)
+
+
+@torch.library.custom_op("rlhf_kernels::segment_ids", mutates_args=())
+def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
+    """int64 ``(total,)``: the sequence index of every packed token (``cu_seqlens`` validated
+    here, at run time)."""
+    from rlhf_kernels._checks import check_cu_seqlens
+
+    cu = check_cu_seqlens(cu_seqlens, total)
+    lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=cu_seqlens.device)
+    return torch.repeat_interleave(
+        torch.arange(len(lens), device=cu_seqlens.device), lens, output_size=total
+    )
+
+
+@segment_ids.register_fake
+def _(cu_seqlens, total):
+    return cu_seqlens.new_empty(total, dtype=torch.int64)
+
+
+@torch.library.custom_op("rlhf_kernels::safe_labels", mutates_args=())
+def safe_labels(labels: Tensor, vocab: int, ignore_index: int | None, check_cuda: bool) -> Tensor:
+    """Flat int64 labels clamped into ``[0, vocab)`` (``ignore_index`` -> 0), after the eager
+    range check (run time, so a traced loss still raises on a bad label)."""
+    from rlhf_kernels.ops.logprobs import check_label_range
+
+    check_label_range(labels, vocab, ignore_index, check_cuda)
+    lab = labels.reshape(-1).long()
+    if ignore_index is not None:
+        lab = lab.masked_fill(lab == ignore_index, 0)
+    return lab.clamp(0, vocab - 1)
+
+
+@safe_labels.register_fake
+def _(labels, vocab, ignore_index, check_cuda):
+    return labels.new_empty(labels.numel(), dtype=torch.int64)

@@ -32,7 +32,7 @@ import importlib
 
 import torch
 
-from rlhf_kernels._checks import check_cu_seqlens, check_same_device
+from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask, check_same_device
 
 BACKENDS = ("auto", "native", "triton", "torch")
 
@@ -335,11 +335,14 @@ def _validate(name_tensors, cu_seqlens, mask, backend):
     check_same_device(**dict(name_tensors), cu_seqlens=cu_seqlens, mask=mask)
     if mask is not None and mask.shape != t0.shape:
         raise ValueError(f"mask must have {n0}'s shape {tuple(t0.shape)}, got {tuple(mask.shape)}")
+    check_mask(mask)
     if cu_seqlens is not None:
         if t0.dim() != 1:
             raise ValueError(
                 f"with cu_seqlens, {n0} must be packed 1-D (N,), got shape {tuple(t0.shape)}"
             )
+        if torch.compiler.is_compiling():
+            return cu_seqlens  # traced: validated at run time by the segment_ids custom op
         return check_cu_seqlens(cu_seqlens, t0.shape[0])
     if mask is not None:
         if t0.dim() != 2:
@@ -358,16 +361,24 @@ def _use_fused(op, backend, tensors, mask, cu):
     t0 = tensors[0]
     if backend not in ("auto", "native") or not _native_supports(t0.device, op):
         return False
+    if torch.compiler.is_compiling():
+        return False  # traced: the scan path below (the native scan has a fake, this op not)
     if any(t.dtype != t0.dtype for t in tensors) or (mask is not None and mask.requires_grad):
         return False
     return True
 
 
 def _prepare(name_tensors, cu, mask):
-    """The scan path's inputs (validated by ``_validate``; ``cu`` its list or None): 2-D float
+    """The scan path's inputs (validated by ``_validate``; ``cu`` its list, None, or under
+    torch.compile the ``cu_seqlens`` tensor): 2-D float
     tensors, is_last (B, T) bool, out_shape, out_dtype."""
     t0 = name_tensors[0][1]
-    if cu is not None:
+    if isinstance(cu, torch.Tensor):  # traced: ends from per-token sequence ids
+        from rlhf_kernels.ops.compiled import segment_ids
+
+        seq = segment_ids(cu, t0.shape[0])
+        is_last = torch.cat([seq[1:] != seq[:-1], seq.new_ones(1, dtype=torch.bool)])[None]
+    elif cu is not None:
         is_last = torch.zeros(1, t0.shape[0], dtype=torch.bool, device=t0.device)
         ends = [e - 1 for s, e in zip(cu[:-1], cu[1:]) if e > s]
         is_last[0, ends] = True
@@ -400,9 +411,15 @@ def gae(
             (with ``mask``); any float dtype.
         values: critic values, same shape/dtype/device as ``rewards``.
         gamma: discount factor. lam: GAE lambda.
-        cu_seqlens: int32/int64 ``(S + 1,)`` boundaries of the packed sequences, ending at ``N``.
-        mask: ``(N,)`` or ``(B, T)`` 0/1 (bool or numeric) token mask; rewards and values are
-            zeroed where it is 0. Required for the padded layout, optional for the packed one.
+        cu_seqlens: int32/int64 ``(S + 1,)`` boundaries of the packed sequences, ending at ``N``
+            (a list of ints is converted).
+        mask: ``(N,)`` or ``(B, T)`` 0/1 (bool or numeric; other values raise) token mask;
+            rewards and values are zeroed where it is 0. Required for the padded layout,
+            optional for the packed one. A 0 inside a sequence does NOT end it: that step
+            counts as reward 0 and value 0 and the recurrence runs through it (the classic
+            padded loop), e.g. ``adv[t-1] = r[t-1] - v[t-1] + gamma * lam * adv[t]`` with
+            ``adv[t] = gamma * v[t+1] + gamma * lam * adv[t+1]``. Sequences end only at
+            ``cu_seqlens`` boundaries (packed) or at the row end (padded).
         backend: ``"auto"``, ``"native"``, ``"triton"`` or ``"torch"``. ``auto`` / ``native``
             run the fused native op (mask, delta, scan and returns in one pass per sequence)
             where it is built for the device; ``triton`` / ``torch`` (and ``auto`` without the
@@ -411,6 +428,7 @@ def gae(
         ``(advantages, returns)`` in rewards' shape and dtype; ``returns = advantages + values``
         (values masked). The value after the last token of each sequence is 0. Differentiable.
     """
+    cu_seqlens = as_cu_seqlens(cu_seqlens, getattr(rewards, "device", None))
     tensors = [("rewards", rewards), ("values", values)]
     cu = _validate(tensors, cu_seqlens, mask, backend)
     if _use_fused("fused_gae", backend, (rewards, values), mask, cu_seqlens):
@@ -440,6 +458,7 @@ def discounted_returns(
     Args: as :func:`gae` (``rewards`` packed ``(N,)`` with ``cu_seqlens`` or padded ``(B, T)``
     with ``mask``). Returns: ``G`` in rewards' shape and dtype. Differentiable.
     """
+    cu_seqlens = as_cu_seqlens(cu_seqlens, getattr(rewards, "device", None))
     tensors = [("rewards", rewards)]
     cu = _validate(tensors, cu_seqlens, mask, backend)
     if _use_fused("fused_returns", backend, (rewards,), mask, cu_seqlens):

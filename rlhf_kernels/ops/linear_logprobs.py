@@ -33,6 +33,13 @@ rounded to bf16 logits first (a bf16 logit of 30 is off by up to 0.125). On CUDA
 per block does the softmax bookkeeping (forward) or forms ``dU`` (backward) instead of several
 torch passes.
 
+Layouts: packed ``(T, H)`` hidden with ``(T,)`` labels, or a model's padded ``(B, T, H)`` with
+``(B, T)`` labels (and mask); outputs take the labels' shape. The scalar losses run the matmuls on
+the rows that count only (``_live_rows``: pads and ignored labels of a padded batch are dropped
+first, in eager mode). Under ``torch.compile`` the op is the ``rlhf_kernels::linear_logprobs_fwd``
+/ ``_bwd`` custom ops (``ops/compiled.py``), so nothing breaks the graph; the scalar losses then
+use it (4 matmuls) instead of the one-pass path.
+
 Labels equal to ``ignore_index`` (default -100) get ``logp = 0`` and no gradient through it; the
 losses leave those tokens out. Other out-of-range labels: ValueError where checked (CPU, or
 ``RLHF_KERNELS_DEBUG=1``), a NaN result otherwise.
@@ -45,7 +52,7 @@ import os
 
 import torch
 
-from rlhf_kernels._checks import device_guard
+from rlhf_kernels._checks import check_mask, device_guard
 from rlhf_kernels.ops.logprobs import IGNORE_INDEX, check_label_range, fix_masked, mask_labels
 
 try:
@@ -509,18 +516,23 @@ def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab,
             raise TypeError(
                 f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}"
             )
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be 2-D (T, H), got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be (V, H={hidden.shape[1]}), got {tuple(weight.shape)}")
+    if hidden.dim() < 2:
+        raise ValueError(
+            f"hidden must be packed (T, H) or padded (B, T, H), got shape {tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (V, H={hidden.shape[-1]}), got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype must equal hidden's {hidden.dtype}, got {weight.dtype}")
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(
             f"labels must be an int64 tensor, got {getattr(labels, 'dtype', type(labels).__name__)}"
         )
-    if labels.shape != hidden.shape[:1]:
-        raise ValueError(f"labels must have shape ({hidden.shape[0]},), got {tuple(labels.shape)}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got "
+            f"{tuple(labels.shape)}"
+        )
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
         raise ValueError(
             f"bias must be ({weight.shape[0]},) {weight.dtype}, got "
@@ -534,6 +546,8 @@ def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab,
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if c is not None and c < 1:
             raise ValueError(f"{name} must be >= 1, got {c}")
+    if torch.compiler.is_compiling():
+        return  # traced: the custom op checks the label range at run time
     check_label_range(labels, weight.shape[0], ignore_index, CHECK_LABELS_ON_CUDA)
 
 
@@ -552,11 +566,12 @@ def linear_logprobs(
     """``log_softmax((hidden @ weight.T + bias) / temperature).gather(labels)`` without logits.
 
     Args:
-        hidden: ``(T, H)`` float32/bfloat16/float16 final hidden states (differentiable).
+        hidden: packed ``(T, H)`` or padded ``(B, T, H)`` (any leading shape ``(..., H)``)
+            float32/bfloat16/float16 final hidden states (differentiable).
         weight: ``(V, H)`` lm_head weight, hidden's dtype (differentiable).
-        labels: int64 ``(T,)`` target token ids in ``[0, V)`` or ``ignore_index`` (checked on
-            CPU; on CUDA, where the check is a host sync, only with ``RLHF_KERNELS_DEBUG=1``,
-            and an out-of-range label gives NaN there).
+        labels: int64, hidden's leading shape (``(T,)`` or ``(B, T)``): target token ids in
+            ``[0, V)`` or ``ignore_index`` (checked on CPU; on CUDA, where the check is a host
+            sync, only with ``RLHF_KERNELS_DEBUG=1``, and an out-of-range label gives NaN).
         bias: optional ``(V,)`` lm_head bias, weight's dtype (differentiable).
         temperature: > 0, divides the logits.
         return_entropy: also return the per-token entropy of the tempered distribution.
@@ -565,19 +580,29 @@ def linear_logprobs(
         ignore_index: labels with this value get ``logp = 0`` and no gradient through it
             (entropy is still computed there); ``None``: every label is a token id.
     Returns:
-        ``logp`` ``(T,)`` float32, or ``(logp, entropy)`` both ``(T,)`` float32. Gradients flow
+        ``logp`` float32 of labels' shape, or ``(logp, entropy)`` both of that shape. Gradients flow
         to hidden, weight and bias; they are accumulated in fp32 and returned in input dtype.
     """
     _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index)
+    lead = labels.shape
+    hidden = hidden.reshape(-1, hidden.shape[-1])
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0])
     tc, vc = chunk_tokens or tc, chunk_vocab or vc
     lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
-    logp, ent = _LinearLogProbs.apply(
-        hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc
-    )
-    logp = fix_masked(logp, ignored, bad)
-    return (logp, ent) if return_entropy else logp
+    if torch.compiler.is_compiling():  # traced: a custom op with a fake (rlhf_kernels.ops.compiled)
+        from rlhf_kernels.ops.compiled import linear_logprobs_fwd
+
+        raw = labels.reshape(-1)
+        logp, ent, _ = linear_logprobs_fwd(
+            hidden, weight, bias, raw, lab, float(temperature), return_entropy, tc, vc, ignore_index
+        )
+    else:
+        logp, ent = _LinearLogProbs.apply(
+            hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc
+        )
+    logp = fix_masked(logp, ignored, bad).view(lead)
+    return (logp, ent.view(lead)) if return_entropy else logp
 
 
 def linear_nll_loss(
@@ -588,26 +613,37 @@ def linear_nll_loss(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     ignore_index: int | None = IGNORE_INDEX,
+    *,
+    group=None,
 ) -> torch.Tensor:
     """SFT loss without logits: ``-sum(mask * logp) / sum(mask)``.
 
-    Args: as :func:`linear_logprobs`; ``mask`` ``(T,)`` 0/1 (bool or numeric) selects the tokens
-    that count (default: all); tokens whose label is ``ignore_index`` never count (as in
-    ``F.cross_entropy``). Returns a float32 scalar (0 when no token counts).
+    Args: as :func:`linear_logprobs` (packed ``(T, H)`` or padded ``(B, T, H)`` hidden);
+    ``mask`` (labels' shape, 0/1 bool or numeric) selects the tokens that count (default: all);
+    tokens whose label is ``ignore_index`` never count (as in ``F.cross_entropy``).
+    ``group``: a ring (or any) process group whose ranks each hold a shard of the tokens: the
+    denominator becomes the token count summed over the group (one all-reduce of a scalar), so
+    the ranks' losses add up to the single-device loss and their gradients, summed over the
+    group, to its gradient (the :func:`rlhf_kernels.ring_token_mean` convention).
+    Returns a float32 scalar (0 when no token counts).
     When the whole vocabulary fits one block (``_chunk_sizes``) and the fp32 weight-gradient
     accumulator is free (fp32 weight) or within the block budget, gradients are computed in the
     forward pass (``_LinearNLL``, 3 matmuls); otherwise this is ``linear_logprobs`` + a sum.
     """
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index)
-    T, H = hidden.shape
-    V = weight.shape[0]
-    if mask is not None and mask.shape != (T,):
-        raise ValueError(f"mask must have shape ({T},), got {tuple(mask.shape)}")
+    if mask is not None and mask.shape != labels.shape:
+        raise ValueError(
+            f"mask must have labels' shape {tuple(labels.shape)}, got {tuple(mask.shape)}"
+        )
+    check_mask(mask)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    T, V = hidden.shape[0], weight.shape[0]
     lab, ignored, bad = mask_labels(labels, V, ignore_index)
-    m = torch.ones(T, device=hidden.device) if mask is None else mask.to(torch.float32)
+    m = torch.ones(T, device=hidden.device) if mask is None else mask.reshape(-1).to(torch.float32)
     if ignored is not None:
         m = m.masked_fill(ignored, 0.0)
-    wt = m / m.sum().clamp_min(1.0)  # per-token weight of -logp in the loss
+    wt = m / _token_count(m, group)  # per-token weight of -logp in the loss
+    hidden, lab, (wt, bad) = _live_rows(hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad,))
     return _nan_if_bad(_scalar_loss(hidden, weight, bias, lab, temperature, wt, None), bad, wt)
 
 
@@ -627,18 +663,24 @@ def linear_policy_loss(
     aggregation: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     ignore_index: int | None = IGNORE_INDEX,
+    group=None,
 ) -> torch.Tensor:
     """PPO clipped loss straight from hidden states: lm_head -> log-prob -> ``policy_loss``.
 
     Args:
-        hidden, weight, labels, bias, temperature: as :func:`linear_logprobs` (packed
-            ``(T, H)`` tokens; ``labels[t]`` is the sampled token scored at position ``t``).
-        old_logp, advantages: ``(T,)`` float, behaviour-policy log-probs and advantages.
-        mask: ``(T,)`` 0/1 tokens that count (default all). cu_seqlens: ``(S + 1,)`` sequence
-            boundaries, needed by the sequence-level aggregations (not by ``"token-mean"``).
+        hidden, weight, labels, bias, temperature: as :func:`linear_logprobs`: packed
+            ``(T, H)`` tokens or a padded ``(B, T, H)`` batch; ``labels[..., t]`` is the
+            sampled token scored at position ``t``.
+        old_logp, advantages: float, labels' shape: behaviour-policy log-probs and advantages.
+        mask: labels' shape, 0/1 tokens that count (default all; required for padded input
+            with a ``seq-mean-*`` aggregation, whose sequences are then the rows).
+        cu_seqlens: ``(S + 1,)`` sequence boundaries of the packed layout, needed by the
+            sequence-level aggregations (not by ``"token-mean"``).
         clip_low, clip_high, dual_clip, aggregation: as
             :func:`rlhf_kernels.ops.losses.policy_loss`.
         ignore_index: tokens with this label are left out (as if masked).
+        group: as in :func:`linear_nll_loss` (``"token-mean"`` only): the token count is summed
+            over the group, so the ranks' losses add up to the single-device loss.
     Returns: float32 scalar, equal to ``policy_loss(linear_logprobs(...), ...)``; computed in
     one pass with gradients made during the forward when the vocabulary fits one block.
     """
@@ -647,21 +689,61 @@ def linear_policy_loss(
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index)
     losses._check_float(old_logp=old_logp, advantages=advantages)
     losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip)
-    ref = old_logp.float()
-    lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
+    if old_logp.shape != labels.shape:
+        raise ValueError(
+            f"old_logp must have labels' shape {tuple(labels.shape)}, got {tuple(old_logp.shape)}"
+        )
+    if group is not None and aggregation != "token-mean":
+        raise ValueError(
+            f"group= (a token mean over a ring) works with aggregation='token-mean' only, got "
+            f"{aggregation!r}"
+        )
     m, seq, n_seq = losses._token_layout(
-        "old_logp", ref, mask, cu_seqlens, aggregation, advantages=advantages
+        "old_logp", old_logp.float(), mask, cu_seqlens, aggregation, advantages=advantages
     )
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
+    m, seq = m.reshape(-1), seq.reshape(-1)
     if ignored is not None:  # a token with no label does not count
-        m = m.masked_fill(ignored, 0.0) if m.is_floating_point() else m & ~ignored
-    wt = losses._token_weights(m, seq, n_seq, aggregation)
-    adv = advantages.float()
+        m = m.masked_fill(ignored, 0.0)
+    if group is None:
+        wt = losses._token_weights(m, seq, n_seq, aggregation)
+    else:
+        wt = m / _token_count(m, group)
+    ref, adv = old_logp.reshape(-1).float(), advantages.reshape(-1).float()
+    hidden, lab, (wt, bad, ref, adv) = _live_rows(
+        hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad, ref, adv)
+    )
 
     def ppo(logp, sl):
         tok = losses._ppo_token_loss(logp, ref[sl], adv[sl], clip_low, clip_high, dual_clip)[0]
         return (tok * wt[sl]).sum()
 
     return _nan_if_bad(_scalar_loss(hidden, weight, bias, lab, temperature, None, ppo), bad, wt)
+
+
+def _token_count(m, group):
+    """``sum(m)`` (at least 1), summed over ``group`` when given (one scalar all-reduce)."""
+    n = m.detach().sum(dtype=torch.float64)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(n, group=group)
+    return n.clamp_min(1.0).to(m.dtype)
+
+
+def _live_rows(hidden, lab, wt, padded, more=()):
+    """Padded input: keep only the rows that count (``wt != 0``), so pads cost no matmul.
+
+    Eager only (a data-dependent row count would break a torch.compile graph); the gradient of
+    the dropped rows is 0 either way. Returns ``(hidden, lab, (wt, *more))`` row-selected."""
+    if not padded or torch.compiler.is_compiling():
+        return hidden, lab, (wt, *more)
+    keep = (wt != 0).nonzero().squeeze(1)
+    if keep.numel() == wt.numel():
+        return hidden, lab, (wt, *more)
+    pick = lambda t: t.index_select(0, keep)  # noqa: E731
+    return pick(hidden), pick(lab), tuple(pick(t) for t in (wt, *more))
 
 
 def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss):
@@ -671,10 +753,11 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss):
     T, H = hidden.shape
     if token_loss is None:
         token_loss = lambda logp, sl: -(wt[sl] * logp).sum()
-    if not _grad_wanted(hidden, weight, bias):  # forward only: no gradients made or saved
+    compiling = torch.compiler.is_compiling()
+    if not _grad_wanted(hidden, weight, bias) and not compiling:  # forward only, nothing saved
         return token_loss(_logprobs_no_grad(hidden, weight, lab, bias, temperature), slice(0, T))
     one_pass, tc = _fits_one_pass(T, H, weight.shape[0], weight.dtype)
-    if one_pass:
+    if one_pass and not compiling:  # traced: the linear_logprobs custom op below (4 matmuls)
         return _FusedLinearLoss.apply(hidden, weight, bias, lab, float(temperature), tc, token_loss)
     # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
     logp = linear_logprobs(hidden, weight, lab, bias, temperature, ignore_index=None)

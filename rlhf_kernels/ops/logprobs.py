@@ -337,6 +337,10 @@ def mask_labels(labels, V: int, ignore_index: int | None):
     if ignored is not None:
         lab = lab.masked_fill(ignored, 0)
     bad = (lab < 0) | (lab >= V)
+    if torch.compiler.is_compiling():  # traced: the range check runs inside a custom op
+        from rlhf_kernels.ops.compiled import safe_labels
+
+        return safe_labels(labels, V, ignore_index, CHECK_LABELS_ON_CUDA), ignored, bad
     return lab.clamp(0, V - 1), ignored, bad
 
 

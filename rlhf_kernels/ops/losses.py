@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_kernels._checks import check_cu_seqlens, check_same_device
+from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask, check_same_device
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -68,20 +68,27 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
             raise ValueError(
                 f"{name} must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(t.shape)}"
             )
+    cu_seqlens = as_cu_seqlens(cu_seqlens, ref.device)
     check_same_device(**{ref_name: ref}, mask=mask, **others)
     if mask is not None and mask.shape != ref.shape:
         raise ValueError(
             f"mask must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(mask.shape)}"
         )
+    check_mask(mask)
     if cu_seqlens is not None:
         if ref.dim() != 1:
             raise ValueError(
                 f"with cu_seqlens, {ref_name} must be packed 1-D (N,), got shape {tuple(ref.shape)}"
             )
-        cu = check_cu_seqlens(cu_seqlens, ref.shape[0])
-        lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=ref.device)
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=ref.device), lens)
-        n_seq = len(lens)
+        if torch.compiler.is_compiling():  # a custom op validates cu_seqlens at run time
+            from rlhf_kernels.ops.compiled import segment_ids
+
+            seq, n_seq = segment_ids(cu_seqlens, ref.shape[0]), cu_seqlens.shape[0] - 1
+        else:
+            cu = check_cu_seqlens(cu_seqlens, ref.shape[0])
+            lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=ref.device)
+            seq = torch.repeat_interleave(torch.arange(len(lens), device=ref.device), lens)
+            n_seq = len(lens)
     elif ref.dim() == 1 and aggregation in (None, "token-mean"):
         seq = torch.zeros_like(ref, dtype=torch.long)
         n_seq = 1
@@ -101,7 +108,9 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
         n_seq = ref.shape[0]
     else:
         raise ValueError(
-            "give mask (padded (B, T) layout) or cu_seqlens (packed (N,) layout); got neither"
+            f"{ref_name} of shape {tuple(ref.shape)} needs mask (padded (B, T) layout: which "
+            f"tokens count; rows are the sequences of aggregation={aggregation!r}) or "
+            f"cu_seqlens (packed (N,) layout); got neither"
         )
     m = torch.ones_like(ref) if mask is None else mask.to(ref.dtype)
     return m, seq, n_seq

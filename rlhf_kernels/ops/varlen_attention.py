@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlhf_kernels._checks import check_cu_seqlens, check_same_device
+from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_same_device
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -354,7 +354,8 @@ def varlen_attention(
         q: ``(total_q, heads, head_dim)``, fp32/fp16/bf16 (fp64 on the torch backend).
         k, v: ``(total_k, kv_heads, head_dim)``; ``heads % kv_heads == 0`` (GQA/MQA: query head
             ``h`` reads kv head ``h // (heads // kv_heads)``). head_dim <= 256, any value.
-        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, ``[0, ..., total]``, non-decreasing.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, ``[0, ..., total]``, non-decreasing
+            (int64 and Python lists/tuples of ints are accepted and converted).
         max_seqlen_q, max_seqlen_k: longest sequence (used for the kernel grid); None computes it.
         dropout_p: attention dropout (torch and flash_attn backends only; ``"auto"`` on CUDA
             without flash-attn then runs torch and warns once, see :func:`resolve_backend`).
@@ -371,6 +372,9 @@ def varlen_attention(
         out ``(total_q, heads, head_dim)`` in q's dtype, or ``(out, lse)``. Differentiable in
         q, k, v (through ``out``; the lse is for merging partial results, as in flash-attn).
     """
+    if isinstance(q, torch.Tensor):  # lists are converted; other types fail in the checks
+        cu_seqlens_q = as_cu_seqlens(cu_seqlens_q, q.device, "cu_seqlens_q")
+        cu_seqlens_k = as_cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k")
     if torch.compiler.is_compiling() and not dropout_p:
         # traced: a custom op (fake shapes for dynamo); it validates at run time, inside
         from rlhf_kernels.ops.compiled import compiled_varlen_attention
