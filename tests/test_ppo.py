@@ -183,13 +183,29 @@ def test_every_advantage_estimator_trains(estimator, tmp_path):
     assert (tmp_path / "model" / "config.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo-one")
+    run_trainer("ppo", FAST + ["--kl-coef", "0.05"], out)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_data_parallel_reproduces_the_first_step(tmp_path):
-    """Prompts are seeded individually, so 2 ranks generate the rollouts of 1 rank."""
-    run_trainer("ppo", FAST, tmp_path / "one")
-    run_trainer("ppo", FAST + ["--zero-stage", "2"], tmp_path / "two", nproc=2)
-    a, b = metrics(tmp_path / "one")[0], metrics(tmp_path / "two")[0]
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--zero-stage", "2"],
+        ["--zero-stage", "3"],  # the reference model defaults to ZeRO-3 too
+        ["--zero-stage", "2", "--ref-offload"],  # reference partitioned and kept on the CPU
+    ],
+    ids=["zero2", "zero3", "zero2-ref-offload"],
+)
+def test_data_parallel_reproduces_the_first_step(extra, one_process_run, tmp_path):
+    """Prompts are seeded individually, so 2 ranks generate the rollouts of 1 rank; the frozen
+    reference model gives the same KL whether replicated, ZeRO-3 partitioned or offloaded."""
+    run_trainer("ppo", FAST + ["--kl-coef", "0.05", *extra], tmp_path / "two", nproc=2)
+    a, b = metrics(one_process_run)[0], metrics(tmp_path / "two")[0]
     for key in ("reward_mean", "response_length", "policy_loss", "entropy", "kl", "grad_norm"):
         assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + 1e-6, (key, a[key], b[key])
     assert all(math.isfinite(x["reward_mean"]) for x in metrics(tmp_path / "two"))
@@ -342,3 +358,41 @@ def test_reward_model_from_trainers_rm_scores_rollouts(tmp_path):
     m = metrics(tmp_path / "p")
     assert len(m) == 2 and all(math.isfinite(x["reward_mean"]) for x in m)
     assert m[0]["reward_std"] > 0  # real scores, not a constant
+
+
+# ----------------------------------------------------------------------------- resume
+@pytest.mark.slow
+def test_resume_repeats_the_run(tmp_path):
+    """A crash after the step-2 checkpoint: --resume continues from it (actor, critic, optimizer,
+    scheduler, RNG, prompt position) and logs the same steps 3-4 as the uninterrupted run."""
+    import shutil
+
+    args = FAST[:]
+    args[args.index("--max-steps") + 1] = "4"
+    args += ["--advantage-estimator", "gae", "--save-steps", "2", "--kl-coef", "0.01"]
+    run_trainer("ppo", args, tmp_path)
+    full = metrics(tmp_path)
+    assert [m["step"] for m in full] == [1, 2, 3, 4]
+    shutil.rmtree(tmp_path / "checkpoints" / "step-000004")  # died before / during this save
+    proc = run_trainer("ppo", args + ["--resume"], tmp_path)
+    assert "resumed from" in proc.stderr and "step 2" in proc.stderr
+    resumed = metrics(tmp_path)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full[2:], resumed[2:]):
+        for key in ("reward_mean", "response_length", "policy_loss", "value_loss", "kl", "lr"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]) + 1e-7, (key, a, b)
+
+
+def test_reference_memory_flags_are_checked():
+    from trainers.ppo import PPOConfig
+
+    cfg = PPOConfig(zero_stage=3)
+    cfg.validate()
+    assert cfg.ref_zero_stage == 3  # follows the actor's ZeRO-3 by default
+    cfg = PPOConfig(ref_offload=True)
+    cfg.validate()
+    assert cfg.ref_zero_stage == 3  # offloading partitions implies them
+    with pytest.raises(ValueError, match="--ref-offload .* needs --ref-zero-stage 3, got 0"):
+        PPOConfig(ref_offload=True, ref_zero_stage=0).validate()
+    with pytest.raises(ValueError, match="--ref-zero-stage 3 cannot be combined with --tp-size 2"):
+        PPOConfig(ref_zero_stage=3, tp_size=2).validate()

@@ -85,6 +85,36 @@ def build_engine(
     return engine
 
 
+def build_frozen(module: torch.nn.Module, cfg, layout: Layout) -> torch.nn.Module:
+    """A model that only runs forward (PPO's reference and reward models): eval mode, no grad.
+
+    ``cfg.ref_zero_stage`` 0: a full copy on this rank's device. 3: DeepSpeed ZeRO-3 without an
+    optimizer, weights partitioned over the ranks and gathered layer by layer in forward (every
+    rank must run the same number of forwards, as for the trained engine); with
+    ``cfg.ref_offload`` the partitions live on the CPU between uses. Returns the module to call.
+    """
+    module.eval().requires_grad_(False)
+    if cfg.ref_zero_stage == 0:
+        return module.to(layout.device)
+    import deepspeed
+
+    zero: dict = {"stage": 3}
+    if cfg.ref_offload:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": layout.world,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=module, config=config)
+    engine.eval()
+    return engine.module
+
+
 def accumulate(engine, loss: torch.Tensor, last: bool) -> None:
     """Backward of one micro-batch; ``last`` marks the step's accumulation boundary."""
     engine.set_gradient_accumulation_boundary(last)

@@ -27,7 +27,7 @@ from rlhf_kernels.packing import plan_micro_batches
 from trainers import common, ppo_ring, rewards
 from trainers.config import TrainConfig
 from trainers.distributed import Layout, sum_across
-from trainers.engine import accumulate, optimizer_step
+from trainers.engine import accumulate, build_frozen, optimizer_step
 
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
 
@@ -85,6 +85,18 @@ class PPOConfig(TrainConfig):
     gamma: float = _f(1.0, "discount")
     lam: float = _f(0.95, "GAE lambda")
     critic_lr: float = _f(1e-3, "critic learning rate (gae)")
+    ref_zero_stage: int | None = _f(
+        None,
+        "ZeRO stage of the frozen reference and reward models: 0 (a full copy per rank) or 3 "
+        "(partitioned over the ranks, gathered layer by layer in forward); default: 3 with "
+        "--zero-stage 3, else 0",
+        choices=(0, 3),
+    )
+    ref_offload: bool = _f(
+        False,
+        "keep the reference and reward model weights on the CPU between forwards (ZeRO-3 "
+        "parameter offload; implies --ref-zero-stage 3)",
+    )
     rollout_distribution: str = _f(
         "scatter", "how ring ranks get rollouts (ring attention)", choices=("scatter", "broadcast")
     )
@@ -118,6 +130,18 @@ class PPOConfig(TrainConfig):
                 f"--batch-size ({self.batch_size}) must divide the rollout samples per step "
                 f"(--rollout-batch-size x --n-samples-per-prompt = "
                 f"{self.rollout_batch_size * self.n_samples_per_prompt})"
+            )
+        if self.ref_zero_stage is None:
+            self.ref_zero_stage = 3 if (self.zero_stage == 3 or self.ref_offload) else 0
+        if self.ref_offload and self.ref_zero_stage != 3:
+            raise ValueError(
+                f"--ref-offload keeps ZeRO-3 partitions on the CPU: it needs --ref-zero-stage 3, "
+                f"got {self.ref_zero_stage}"
+            )
+        if self.ref_zero_stage == 3 and self.tp_size > 1:
+            raise ValueError(
+                f"--ref-zero-stage 3 cannot be combined with --tp-size {self.tp_size} (AutoTP "
+                f"shards the trained model only); use --ref-zero-stage 0"
             )
         if self.reward_fn and self.reward_model:
             raise ValueError("give --reward-fn or --reward-model, not both")
@@ -543,7 +567,7 @@ def train(cfg: PPOConfig) -> dict:
     reward = s.load_reward()
     lm = s.load_causal_lm()
     engine, start = s.build(Actor(lm, cfg.temperature), len(rows) * cfg.n_samples_per_prompt)
-    ref = Actor(s.load_causal_lm(), cfg.temperature).eval().requires_grad_(False)
+    ref = build_frozen(Actor(s.load_causal_lm(), cfg.temperature), cfg, s.layout)
     critic = None
     if cfg.advantage_estimator == "gae":
         critic = s.build_critic(TokenCritic(s.load_score_model(cfg.critic_model)))

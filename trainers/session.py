@@ -212,7 +212,9 @@ class Session:
             model = AutoModelForSequenceClassification.from_pretrained(
                 cfg.reward_model, attn_implementation=register(), dtype=torch.float32
             )
-            return model.to(self.layout.device).eval().requires_grad_(False)
+            from trainers.engine import build_frozen
+
+            return build_frozen(model, cfg, self.layout)  # --ref-zero-stage / --ref-offload
         from trainers import rewards
 
         spec = cfg.reward_fn
