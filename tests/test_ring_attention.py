@@ -306,3 +306,61 @@ def test_ring_error_does_not_grow_with_world_size():
     print(f"max error by world size: {errors}")
     assert errors[3] <= 2 * errors[2] + 1e-7, errors
     assert errors[4] <= 2 * errors[2] + 1e-7, errors
+
+
+# ----------------------------------------------------------------------------- Triton blocks
+TRITON_CASES = ("causal_gqa", "causal_window", "full_window", "causal_softcap")
+
+
+def _triton_cases(rank, world):
+    """Each block as one Triton varlen launch (the CUDA path; here under the interpreter):
+    fp32 errors vs float64, and bf16 errors relative to plain torch's bf16 error."""
+    errors = {}
+    for case in TRITON_CASES:
+        heads, kv_heads, causal, window, softcap, _ = CASES[case]
+        inputs, ref = _reference(case, seed=len(errors))
+        for layout, comm in (("zigzag", "p2p"), ("contiguous", "allgather")):
+            plan = RingPlan.build(_cu(LENGTHS), world, layout)
+            q, k, v = (plan.shard(t, rank).float().requires_grad_() for t in inputs[:3])
+            out, lse = ring_varlen_attention(
+                q, k, v, plan, causal=causal, window_size=window, softcap=softcap, comm=comm,
+                triton=True, return_lse=True,
+            )  # fmt: skip
+            out.backward(plan.shard(inputs[3], rank).float())
+            got = (out, q.grad, k.grad, v.grad)
+            errs = [_max_err(a, plan.shard(b, rank)) for a, b in zip(got, ref)]
+            # the lse agrees with the tile path's
+            q0, k0, v0 = (plan.shard(t, rank).float() for t in inputs[:3])
+            _, lse_t = ring_varlen_attention(
+                q0, k0, v0, plan, causal=causal, window_size=window, softcap=softcap, comm=comm,
+                triton=False, return_lse=True,
+            )  # fmt: skip
+            real = plan.valid_mask(rank)
+            errs.append(_max_err(lse[:, real], lse_t[:, real]))
+            errors[f"{case}/{layout}/{comm}"] = dict(zip(("out", "dq", "dk", "dv", "lse"), errs))
+    inputs, ref = _reference("causal_gqa", seed=11)
+    leaves = [t.bfloat16().requires_grad_() for t in inputs[:3]]
+    cu = _cu(LENGTHS)
+    plain_out, _ = varlen_attention_reference(*leaves, cu, cu, causal=True)
+    plain_out.backward(inputs[3].bfloat16())
+    plain = (plain_out, *(t.grad for t in leaves))
+    plan = RingPlan.build(cu, world)
+    q, k, v = (plan.shard(t, rank).bfloat16().requires_grad_() for t in inputs[:3])
+    out = ring_varlen_attention(q, k, v, plan, triton=True)
+    out.backward(plan.shard(inputs[3], rank).bfloat16())
+    ratios = {}
+    for name, a, p, r in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), plain, ref):
+        ratios[name] = _max_err(a, plan.shard(r, rank)) / (p.double() - r).abs().max().item()
+    return errors, ratios
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3])  # 2 passes too; the interpreter makes each size minutes
+def test_ring_triton_blocks_match_single_device(world):
+    errors, ratios = run_gloo(_triton_cases, world, timeout_s=600)[0]
+    print(world, {k: max(e.values()) for k, e in errors.items()}, ratios)
+    assert len(errors) == len(TRITON_CASES) * 2
+    bad = {name: e for name, e in errors.items() if max(e.values()) > TOL}
+    assert not bad, f"errors above {TOL}: {bad}"
+    assert max(ratios.values()) <= 2.0, ratios

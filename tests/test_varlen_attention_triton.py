@@ -199,12 +199,14 @@ _AOT_SCRIPT = textwrap.dedent(
             names = list(inspect.signature(kern.fn).parameters)
             bm, bn, warps, stages = m._block_sizes(dim, DTYPES[dt], kern is not m._fwd_kernel)
             const = dict(GROUP=2, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, BLOCK_M=bm,
-                         BLOCK_N=bn, BLOCK_D=dim, BLOCK_T=64, **m._dot_meta(DTYPES[dt]))
+                         BLOCK_N=bn, BLOCK_D=dim, BLOCK_T=64, HAS_DIFF=dt != "fp16",
+                         **m._dot_meta(DTYPES[dt]))
             const = {n: v for n, v in const.items() if n in names}
             sig = {}
             for n in names:
                 sig[n] = ("constexpr" if n in const else "*" + dt if n in DATA
-                          else "*fp32" if n in ("LSE", "DELTA") else "*i32" if n.startswith("CU_")
+                          else "*fp32" if n in ("LSE", "DELTA")
+                          else "*i32" if n.startswith("CU_") or n == "DIFF"
                           else "fp32" if n in ("scale", "softcap") else "i32")
             src = triton.compiler.ASTSource(
                 kern, sig, {(names.index(n),): v for n, v in const.items()})

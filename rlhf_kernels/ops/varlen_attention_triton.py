@@ -136,13 +136,24 @@ def _query_range(
     return lo, hi
 
 
+@triton.jit
+def _diff(DIFF, b, lk, lq, HAS_DIFF: tl.constexpr):
+    """Key index of query 0 of sequence ``b``: ``lk - lq`` (bottom-right aligned), or an explicit
+    per-sequence value (ring attention tiles, whose queries start anywhere in the document)."""
+    if HAS_DIFF:
+        return tl.load(DIFF + b)
+    else:
+        return lk - lq
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-    stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q, K, V, O, LSE, CU_Q, CU_K, DIFF, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot,
+    stride_oh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # k and v share shape and strides (contiguous copies made by the host wrapper)
     b = tl.program_id(0)  # sequences on axis 0: CUDA caps axes 1-2 at 65535
@@ -154,7 +165,7 @@ def _fwd_kernel(
         return
     k0 = tl.load(CU_K + b)
     lk = tl.load(CU_K + b + 1) - k0
-    diff = lk - lq
+    diff = _diff(DIFF, b, lk, lq, HAS_DIFF)
     kh = h // GROUP
 
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -225,10 +236,10 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, stride_qt, stride_qh, stride_kt, stride_kh,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, DIFF, stride_qt, stride_qh, stride_kt, stride_kh,
     stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # q/dO share strides; k/v/dk/dv share strides (contiguous); lse/delta are (H, total_q).
     b = tl.program_id(0)
@@ -240,7 +251,7 @@ def _bwd_dkdv_kernel(
         return
     q0 = tl.load(CU_Q + b)
     lq = tl.load(CU_Q + b + 1) - q0
-    diff = lk - lq
+    diff = _diff(DIFF, b, lk, lq, HAS_DIFF)
 
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -287,10 +298,10 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, stride_qt, stride_qh, stride_kt, stride_kh, stride_lh,
-    scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, DIFF, stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # q/dO/dQ share strides; k/v share strides (contiguous); lse/delta are (H, total_q).
     b = tl.program_id(0)  # sequences on axis 0: CUDA caps axes 1-2 at 65535
@@ -302,7 +313,7 @@ def _bwd_dq_kernel(
         return
     k0 = tl.load(CU_K + b)
     lk = tl.load(CU_K + b + 1) - k0
-    diff = lk - lq
+    diff = _diff(DIFF, b, lk, lq, HAS_DIFF)
     kh = h // GROUP
 
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -411,15 +422,20 @@ def varlen_attention_triton_forward(
     causal: bool,
     window_size: tuple[int, int],
     softcap: float,
+    diff: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Forward kernel launch. Inputs as in :func:`triton_varlen_attention` (contiguous).
 
-    Returns ``(out, lse)``: out ``(total_q, H, D)`` in q's dtype, lse ``(H, total_q)`` fp32.
+    ``diff``: optional int32 ``(batch,)``, the key index that query 0 of each sequence sits at
+    (default ``lk - lq``, bottom-right alignment); ring attention tiles set it.
+    Returns ``(out, lse)``: out ``(total_q, H, D)`` in ``out_dtype`` (default q's dtype), lse
+    ``(H, total_q)`` fp32.
     """
     del max_seqlen_k  # key loops are bounded per sequence inside the kernel
     total_q, heads, dim = q.shape
     batch = cu_seqlens_q.numel() - 1
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
@@ -432,6 +448,7 @@ def varlen_attention_triton_forward(
         lse,
         cu_seqlens_q,
         cu_seqlens_k,
+        cu_seqlens_q if diff is None else diff,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -451,6 +468,7 @@ def varlen_attention_triton_forward(
         HAS_RIGHT=has_right,
         SOFTCAP=softcap > 0,
         **_dot_meta(q.dtype),
+        HAS_DIFF=diff is not None,
         BLOCK_D=_block_d(dim),
     )
     _launch(
@@ -479,19 +497,29 @@ def varlen_attention_triton_backward(
     causal: bool,
     window_size: tuple[int, int],
     softcap: float,
+    diff: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    grad_dtype: torch.dtype | None = None,
 ):
-    """Backward kernel launches: ``(dq, dk, dv)`` in the dtypes/shapes of q, k, v.
+    """Backward kernel launches: ``(dq, dk, dv)`` in the shapes of q, k, v and their dtypes (or
+    ``grad_dtype``).
 
     ``dout`` ``(total_q, H, D)`` is the gradient of ``out``; ``lse`` the forward's ``(H, total_q)``.
+    ``diff`` as in the forward. ``delta``: ``rowsum(dout * out)`` ``(H, total_q)`` fp32 when the
+    caller has it (ring attention: from the merged output; ``out`` is then not read).
     """
     total_q, heads, dim = q.shape
-    kv_heads = k.shape[1]
     batch = cu_seqlens_q.numel() - 1
     dout = dout.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype or t.dtype) for t in (q, k, v))
     if batch == 0 or total_q == 0 or k.shape[0] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = _block_d(dim)
+    if delta is not None:
+        return _backward_kernels(
+            dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, softmax_scale, causal, window_size, softcap, diff,
+        )  # fmt: skip
     delta = torch.empty_like(lse)
     block_t = 16 if _interpreting() else 64
     _bwd_delta_kernel[(triton.cdiv(total_q, block_t), heads)](
@@ -508,11 +536,24 @@ def varlen_attention_triton_backward(
         BLOCK_T=block_t,
         BLOCK_D=block_d,
     )
+    return _backward_kernels(
+        dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, softmax_scale, causal, window_size, softcap, diff,
+    )  # fmt: skip
 
+
+def _backward_kernels(
+    dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, softmax_scale, causal, window_size, softcap, diff,
+):  # fmt: skip
+    """The dK/dV and dQ launches, writing into ``dk, dv, dq``; returns ``(dq, dk, dv)``."""
+    heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
     left, right, has_left, has_right = _mask_meta(causal, window_size)
     common = (
         cu_seqlens_q,
         cu_seqlens_k,
+        cu_seqlens_q if diff is None else diff,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -530,7 +571,8 @@ def varlen_attention_triton_backward(
         HAS_RIGHT=has_right,
         SOFTCAP=softcap > 0,
         **_dot_meta(q.dtype),
-        BLOCK_D=block_d,
+        HAS_DIFF=diff is not None,
+        BLOCK_D=_block_d(dim),
     )
     blocks = _block_sizes(dim, q.dtype, backward=True)
     _launch(

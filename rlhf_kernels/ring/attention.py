@@ -11,8 +11,11 @@ their owner after ``world_size`` hops.
 ``comm="allgather"``: K/V are all-gathered ``kv_head_stride`` KV heads at a time (the next group
 prefetched while the current one is computed); dK/dV are reduce-scattered.
 
-Block math (local queries vs one rank's keys) is exact flash-style attention in fp32 (float64 for
-float64 inputs) over tiles of at most ``tile`` x ``tile`` tokens of the same document. Visibility
+Block math (local queries vs one rank's keys): on CUDA (``triton``), one launch of the Triton
+varlen kernels per block, each (query run, key run) of a document a "sequence" whose queries sit
+at an explicit key offset (``blocks.segment_pairs``), outputs in fp32; elsewhere exact
+flash-style attention in fp32 (float64 for float64 inputs) over tiles of at most ``tile`` x
+``tile`` tokens of the same document. Visibility
 uses the global (document, position) of each slot: key ``j`` is visible to query ``i`` of the
 same document iff ``j <= i + right`` (``right = 0`` when causal) and ``j >= i - left`` (negative =
 unbounded), as in ``varlen_attention`` for self-attention. Fully masked tiles are skipped; that is
@@ -29,9 +32,12 @@ import torch.distributed as dist
 
 from rlhf_kernels.ring.blocks import (
     backward_block,
+    backward_block_triton,
     flash_cpu,
     flash_cpu_backward,
     forward_block,
+    forward_block_triton,
+    segment_pairs,
     tile_pairs,
 )
 from rlhf_kernels.ring.plan import RingPlan
@@ -56,12 +62,26 @@ class _Spec:
         self.left, self.right = window[0], (0 if causal else window[1])
         self.window, self.comm, self.stride, self.tile = window, comm, stride, tile
         self.fused = False  # set per call: fused CPU kernel for all-visible / diagonal tiles
+        self.triton = False  # set per call: each block is one Triton varlen launch (CUDA)
         if self.world > 1:  # P2P peers are global ranks
             self.next_peer = global_rank(group, (rank + 1) % self.world)
             self.prev_peer = global_rank(group, (rank - 1) % self.world)
 
-    def pairs(self, src):
+    def pairs(self, src, device=None):
+        if self.triton:
+            return segment_pairs(self.plan, self.rank, src, self.left, self.right, device)
         return tile_pairs(self.plan, self.rank, src, self.causal, self.window, self.tile)
+
+    def forward_block(self, q, k, v, src, acc_o, acc_lse):
+        fn = forward_block_triton if self.triton else forward_block
+        fn(self, q, k, v, self.pairs(src, q.device), acc_o, acc_lse)
+
+    def backward_block(self, q, k, v, out, do, lse, delta, src, dq, dk, dv):
+        if self.triton:  # out is only needed through delta
+            pairs = self.pairs(src, q.device)
+            backward_block_triton(self, q, k, v, do, lse, delta, pairs, dq, dk, dv)
+        else:
+            backward_block(self, q, k, v, out, do, lse, delta, self.pairs(src), dq, dk, dv)
 
 
 # ----------------------------------------------------------------------------- communication
@@ -106,7 +126,7 @@ def _head_groups(kvh, stride):
 # ----------------------------------------------------------------------------- ring passes
 def _ring_forward(spec, q, k, v):
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qc = q.to(cdt)
+    qc = q if spec.triton else q.to(cdt)  # the Triton kernels take the input dtype
     acc_o = torch.zeros(q.shape, dtype=cdt, device=q.device)
     acc_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=cdt, device=q.device)
     if q.shape[0] == 0:  # empty stream: every rank knows it from the plan, nothing to send
@@ -118,7 +138,7 @@ def _ring_forward(spec, q, k, v):
             if step < spec.world - 1:
                 reqs, nxt = _exchange(spec, kv)
             src = (spec.rank - step) % spec.world
-            forward_block(spec, qc, kv[0], kv[1], spec.pairs(src), acc_o, acc_lse)
+            spec.forward_block(qc, kv[0], kv[1], src, acc_o, acc_lse)
             if step < spec.world - 1:
                 _wait(reqs)
                 kv = nxt
@@ -126,9 +146,7 @@ def _ring_forward(spec, q, k, v):
     for h0, h1, kv in _gathered_head_groups(spec, k, v):
         hq = slice(h0 * g, h1 * g)
         for src in range(spec.world):
-            forward_block(
-                spec, qc[:, hq], kv[src, 0], kv[src, 1], spec.pairs(src), acc_o[:, hq], acc_lse[hq]
-            )
+            spec.forward_block(qc[:, hq], kv[src, 0], kv[src, 1], src, acc_o[:, hq], acc_lse[hq])
     return acc_o, acc_lse
 
 
@@ -148,8 +166,9 @@ def _gathered_head_groups(spec, k, v):
 
 def _ring_backward(spec, q, k, v, out, lse, dout):
     cdt = lse.dtype
-    qc, do, outc = q.to(cdt), dout.to(cdt), out.to(cdt)
+    do, outc = dout.to(cdt), out.to(cdt)
     delta = (do * outc).sum(-1).T.contiguous()  # (H, L)
+    qc, do = (q, dout) if spec.triton else (q.to(cdt), do)  # Triton: the input dtype
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     g = q.shape[1] // k.shape[1]
     if q.shape[0] == 0:
@@ -162,9 +181,7 @@ def _ring_backward(spec, q, k, v, out, lse, dout):
                 kv_reqs, kv_next = _exchange(spec, kv)
             src = (spec.rank - step) % spec.world
             dkv = torch.zeros(kv.shape, dtype=cdt, device=q.device)
-            backward_block(
-                spec, qc, kv[0], kv[1], outc, do, lse, delta, spec.pairs(src), dq, dkv[0], dkv[1]
-            )
+            spec.backward_block(qc, kv[0], kv[1], outc, do, lse, delta, src, dq, dkv[0], dkv[1])
             if d_reqs is not None:  # dK/dV of this block from the ranks that saw it before
                 _wait(d_reqs)
                 dkv += d_in
@@ -183,8 +200,7 @@ def _ring_backward(spec, q, k, v, out, lse, dout):
         hq = slice(h0 * g, h1 * g)
         dkv = torch.zeros(kv.shape, dtype=cdt, device=k.device)  # (W, 2, L, hs, D)
         for src in range(spec.world):
-            backward_block(
-                spec,
+            spec.backward_block(
                 qc[:, hq],
                 kv[src, 0],
                 kv[src, 1],
@@ -192,7 +208,7 @@ def _ring_backward(spec, q, k, v, out, lse, dout):
                 do[:, hq],
                 lse[hq],
                 delta[hq],
-                spec.pairs(src),
+                src,
                 dq[:, hq],
                 dkv[src, 0],
                 dkv[src, 1],
@@ -220,6 +236,31 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+def _use_triton(q: torch.Tensor, asked: bool | None) -> bool:
+    import os
+
+    env = os.environ.get("RLHF_KERNELS_RING_TRITON")
+    if asked is None and env in ("0", "1"):
+        asked = env == "1"
+    ok = q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        ok = False
+    if asked:
+        if ok and not q.is_cuda:
+            from rlhf_kernels.ops.varlen_attention_triton import _interpreting
+
+            ok = _interpreting()
+        if not ok:
+            raise ValueError(
+                f"ring_varlen_attention(triton=True) needs the triton package, fp32/fp16/bf16 "
+                f"inputs and CUDA tensors (or TRITON_INTERPRET=1), got {q.dtype} on {q.device}"
+            )
+        return True
+    return bool(asked is None and ok and q.is_cuda)
+
+
 # ----------------------------------------------------------------------------- public API
 def ring_varlen_attention(
     q: torch.Tensor,
@@ -238,6 +279,7 @@ def ring_varlen_attention(
     validate: bool = True,
     return_lse: bool = False,
     fused: bool = True,
+    triton: bool | None = None,
 ):
     """Attention of a packed stream split over a ring group; each rank passes its shard.
 
@@ -268,6 +310,11 @@ def ring_varlen_attention(
         return_lse: also return the lse ``(heads, local_len)`` fp32 (``-inf`` for pads).
         fused: on CPU, tiles that are all visible or the aligned causal diagonal (no softcap,
             not float64) use torch's fused flash kernel; False forces the explicit math.
+        triton: each block (local queries x one rank's keys) is one launch of the Triton varlen
+            kernels, every (query run, key run) of a document a "sequence" with its own
+            position offset; partial results merged in fp32. None (default): on CUDA for
+            fp32/fp16/bf16 when Triton is installed (``RLHF_KERNELS_RING_TRITON=0`` turns it
+            off, ``=1`` forces it, e.g. on CPU under ``TRITON_INTERPRET=1``).
 
     Returns:
         out ``(local_len, heads, head_dim)`` in q's dtype (pad rows 0), or ``(out, lse)``.
@@ -304,5 +351,6 @@ def ring_varlen_attention(
         and q.dtype != torch.float64
         and spec.softcap == 0
     )
+    spec.triton = _use_triton(q, triton)
     out, lse = _RingAttention.apply(q, k, v, spec)
     return (out, lse) if return_lse else out

@@ -198,3 +198,106 @@ def backward_block(spec, q, k, v, out, do, lse, delta, pairs, dq, dk, dv):
         ds = ds * spec.scale
         dq[qs : qs + ta] += _groups_to_heads(torch.matmul(ds, kt.transpose(0, 1)), h, ta)
         dk[ks : ks + tb] += torch.matmul(ds.transpose(1, 2), qh).transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- Triton (CUDA)
+def segment_pairs(plan: RingPlan, rank: int, src: int, left: int, right: int, device):
+    """One block as a varlen batch for the Triton kernels: every (query segment of ``rank``, key
+    segment of ``src``) of the same document with a visible pair is one "sequence".
+
+    Returns ``(idx_q, idx_k, cu_q, cu_k, diff, max_q, max_k)`` (cached on the plan per device):
+    the query / key slots of each pair back to back (int64 gather indices; a query slot appears
+    once per key segment it meets), int32 ``cu_seqlens`` over them, and int32 ``diff`` = key index
+    that query 0 of the pair sits at (``q_pos0 - k_pos0``), which replaces the kernel's
+    bottom-right alignment. Or None when no pair is visible.
+    """
+    key = ("triton_pairs", rank, src, left, right, str(device))
+    if key in plan._cache:
+        return plan._cache[key]
+    k_by_doc: dict[int, list] = {}
+    for ks, kn, d, kp in plan.segments(src):
+        k_by_doc.setdefault(d, []).append((ks, kn, kp))
+    iq, ik, lq, lk, diff = [], [], [], [], []
+    for qs, qn, d, qp in plan.segments(rank):
+        for ks, kn, kp in k_by_doc.get(d, ()):
+            qhi, khi = qp + qn - 1, kp + kn - 1
+            if (right >= 0 and kp > qhi + right) or (left >= 0 and khi < qp - left):
+                continue  # fully masked
+            iq.append(torch.arange(qs, qs + qn))
+            ik.append(torch.arange(ks, ks + kn))
+            lq.append(qn)
+            lk.append(kn)
+            diff.append(qp - kp)
+    if not iq:
+        plan._cache[key] = None
+        return None
+
+    def cu(lengths):
+        return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    out = (
+        torch.cat(iq).to(device),
+        torch.cat(ik).to(device),
+        cu(lq).to(device),
+        cu(lk).to(device),
+        torch.tensor(diff, dtype=torch.int32, device=device),
+        max(lq),
+        max(lk),
+    )
+    plan._cache[key] = out
+    return out
+
+
+def _merge_rows(acc_o, acc_lse, idx, o, lse):
+    """Fold partial results for rows ``idx`` (repeats allowed; o ``(N, H, D)``, lse ``(H, N)``)
+    into the running (acc_o ``(L, H, D)``, acc_lse ``(H, L)``), in place (views ok)."""
+    h = acc_lse.shape[0]
+    m = acc_lse.clone().scatter_reduce_(1, idx.expand(h, -1), lse.to(acc_lse.dtype), "amax")
+    m = torch.where(torch.isinf(m), 0.0, m)
+    w_old = torch.exp(acc_lse - m)  # (H, L): 0 where nothing was merged yet
+    w_new = torch.exp(lse - m[:, idx])  # (H, N)
+    total = w_old.index_add(1, idx, w_new)
+    num = (acc_o * w_old.T.unsqueeze(-1)).index_add_(0, idx, o * w_new.T.unsqueeze(-1))
+    acc_o.copy_(num / torch.where(total > 0, total, 1.0).T.unsqueeze(-1))
+    acc_lse.copy_(m + torch.log(total))
+
+
+def forward_block_triton(spec, q, k, v, pairs, acc_o, acc_lse):
+    """``forward_block`` through the Triton varlen kernel: one launch for the whole block.
+
+    q ``(Lq, H, D)`` in the input dtype, k/v ``(Lk, KVH, D)``; accumulators fp32 (views ok)."""
+    from rlhf_kernels.ops.varlen_attention_triton import varlen_attention_triton_forward
+
+    if pairs is None:
+        return
+    idx_q, idx_k, cu_q, cu_k, diff, max_q, max_k = pairs
+    o, lse = varlen_attention_triton_forward(
+        q.index_select(0, idx_q).contiguous(),
+        k.index_select(0, idx_k).to(q.dtype).contiguous(),
+        v.index_select(0, idx_k).to(q.dtype).contiguous(),
+        cu_q, cu_k, max_q, max_k, spec.scale, False, (spec.left, spec.right), spec.softcap,
+        diff=diff, out_dtype=acc_o.dtype,
+    )  # fmt: skip
+    _merge_rows(acc_o, acc_lse, idx_q, o, lse)
+
+
+def backward_block_triton(spec, q, k, v, do, lse, delta, pairs, dq, dk, dv):
+    """``backward_block`` through the Triton backward kernels with the final lse and delta
+    (exact per-block gradients); q/do in the input dtype, lse/delta/dq/dk/dv fp32."""
+    from rlhf_kernels.ops.varlen_attention_triton import varlen_attention_triton_backward
+
+    if pairs is None:
+        return
+    idx_q, idx_k, cu_q, cu_k, diff, max_q, max_k = pairs
+    qp = q.index_select(0, idx_q).contiguous()
+    gq, gk, gv = varlen_attention_triton_backward(
+        do.index_select(0, idx_q).to(q.dtype), qp,
+        k.index_select(0, idx_k).to(q.dtype).contiguous(),
+        v.index_select(0, idx_k).to(q.dtype).contiguous(),
+        None, lse[:, idx_q].float().contiguous(), cu_q, cu_k, max_q, max_k, spec.scale, False,
+        (spec.left, spec.right), spec.softcap, diff=diff,
+        delta=delta[:, idx_q].float().contiguous(), grad_dtype=torch.float32,
+    )  # fmt: skip
+    dq.index_add_(0, idx_q, gq.to(dq.dtype))
+    dk.index_add_(0, idx_k, gk.to(dk.dtype))
+    dv.index_add_(0, idx_k, gv.to(dv.dtype))
