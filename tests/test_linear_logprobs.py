@@ -235,3 +235,17 @@ def test_masked_vocab_and_large_offset_entropy():
     _, t_ent = linear_logprobs_reference(h, w, labels, big)  # plain torch fp32, full logits
     err, err_torch = [(e.double() - r_ent).abs().max() for e in (ent, t_ent)]
     assert err <= 2 * err_torch, (err, err_torch)
+
+
+def test_fused_loss_hands_out_its_gradients_once():
+    """The one-pass losses return the gradients they made in forward (scaled in place, no
+    second (V, H) copy); a second backward through the same graph is a clear error."""
+    h, w, b, labels = _inputs()
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_nll_loss(h, w, labels)
+    (3.0 * loss).backward(retain_graph=True)
+    ref_h, ref_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.autograd.backward(3.0 * linear_nll_loss(ref_h, ref_w, labels))
+    assert torch.allclose(h.grad, ref_h.grad) and torch.allclose(w.grad, ref_w.grad)
+    with pytest.raises(RuntimeError, match="run the loss again"):
+        (3.0 * loss).backward()

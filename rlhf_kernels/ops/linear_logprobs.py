@@ -454,13 +454,23 @@ class _FusedLinearLoss(torch.autograd.Function):
                 _accumulate(gd, hc, w, None, acc)
         if dw is not None and w.dtype != torch.float32:
             dw.copy_(acc)
-        ctx.save_for_backward(*_cast_grads(dh, dw, db, h, b))
+        # a plain attribute, not save_for_backward: backward hands these very tensors to
+        # autograd (scaled in place), which can then keep them as .grad without a copy
+        ctx.grads = list(_cast_grads(dh, dw, db, h, b))
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        dh, dw, db = ctx.saved_tensors
-        return tuple(None if t is None else t * g.to(t.dtype) for t in (dh, dw, db)) + (None,) * 4
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "the fused linear loss computed its gradients in the forward and handed them "
+                "out in the first backward; run the loss again instead of backward(retain_graph="
+                "True) twice"
+            )
+        out = tuple(None if t is None else t.mul_(g.to(t.dtype)) for t in grads)
+        del grads
+        return out + (None,) * 4
 
 
 def _chunk_logp(u, lab, fast):
