@@ -656,6 +656,8 @@ def _plot(report: dict, path: Path) -> None:
         ax = axes[1, i]
         ax.barh(names, [max(r.get("peak_extra_mb") or 0.0, 0.0) for r in rs], color="tab:orange")
         ax.set_title(f"{c}: peak extra MiB", fontsize=8)
+        if c == "floor":
+            ax.text(0.5, 0.5, "n/a: outputs preallocated", ha="center", transform=ax.transAxes)
         for a in axes[:, i]:
             a.tick_params(labelsize=7)
             a.invert_yaxis()

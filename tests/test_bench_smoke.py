@@ -162,3 +162,11 @@ def test_attention_peers_agree_on_a_tiny_pack(kv_heads):
     for method in ("varlen_triton", "varlen_flash_attn", "sdpa_flash_loop", "torch_varlen_attn"):
         with pytest.raises(ba.Skip, match="CUDA"):
             ba.build(method, case, batch, "fwd")
+
+
+@pytest.mark.parametrize("case", ["grpo-sym", "grpo-cliphigher", "ce"])
+def test_liger_bench_peers_agree(case):
+    """bench_liger's implementations agree on a tiny batch (Liger itself only if installed)."""
+    from bench import bench_liger as bl
+
+    bl.check_case(case, bl.make_inputs(dict(B=2, T=16, H=8, V=64)))

@@ -66,7 +66,8 @@ def fused_linear_cross_entropy(
     if reduction == "none":
         nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index)
     else:
-        nll = linear_nll_loss(h, weight, y, bias=bias, ignore_index=ignore_index)
+        # as one padded row: tokens with an ignored target (pads, prompts) skip the matmuls
+        nll = linear_nll_loss(h[None], weight, y[None], bias=bias, ignore_index=ignore_index)
         if reduction == "sum":
             nll = nll * keep.sum()
     if label_smoothing:
