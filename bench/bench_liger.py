@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.report import collect_machine_info  # noqa: E402
+from bench.report import collect_machine_info, proc_memory_kb, reset_peak_rss  # noqa: E402
 from rlhf_kernels import FusedLinearCrossEntropyLoss, linear_policy_loss  # noqa: E402
 
 THREADS = 2
@@ -360,15 +360,6 @@ def test_liger(benchmark, case, impl, quick):
 
 
 # ----------------------------------------------------------------------------- standalone
-def _proc_kb() -> dict:
-    vals = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmHWM", "VmRSS")):
-                vals[line.split(":")[0]] = int(line.split()[1])
-    return vals
-
-
 def worker(mode: str, case: str, impl: str, quick: bool) -> dict:
     """One (case, implementation) in this fresh process: ``mem`` (peak extra MiB of a fwd+bwd
     after two warm-up calls) or ``time`` (first call incl. compile, then repeated calls)."""
@@ -387,15 +378,13 @@ def worker(mode: str, case: str, impl: str, quick: bool) -> dict:
         for _ in range(2):
             fresh()  # gradients are made by the measured call, counted in its peak
             gc.collect()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := VmRSS
-            base = _proc_kb()["VmRSS"]
+            base = reset_peak_rss()
             run()
-            peaks.append((_proc_kb()["VmHWM"] - base) / 1024)
+            peaks.append((proc_memory_kb()["VmHWM"] - base) / 1024)
         out.update(peak_extra_mb=max(peaks), peak_extra_mb_all=peaks)
         if case != "floor":  # the d_hidden (B, T, H) and d_weight (V, H) the call returns
             out["grad_mb"] = sum(t.numel() * t.element_size() for t in run()[1:]) / 2**20
-        out["peak_total_mb"] = _proc_kb()["VmHWM"] / 1024
+        out["peak_total_mb"] = proc_memory_kb()["VmHWM"] / 1024
         return out
     times = []
     budget = time.perf_counter() + (3 if quick else 12)

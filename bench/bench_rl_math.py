@@ -46,6 +46,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import proc_memory_kb, reset_peak_rss  # noqa: E402
 from rlhf_kernels.ops.advantages import group_advantages  # noqa: E402
 from rlhf_kernels.ops.gae import (  # noqa: E402
     discounted_returns,
@@ -280,15 +281,6 @@ def test_rl_math(benchmark, case, method, quick, device, sync):
 
 
 # ----------------------------------------------------------------------------- standalone
-def _rss_kb():
-    vals = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmHWM", "VmRSS")):
-                vals[line.split(":")[0]] = int(line.split()[1])
-    return vals
-
-
 def worker(case: str, method: str, device: str, quick: bool) -> dict:
     """One (case, method) in this process: check vs peer, peak extra memory, median time."""
     if device == "cpu":  # oversubscribed shared cores stall multi-threaded parallel regions
@@ -305,12 +297,10 @@ def worker(case: str, method: str, device: str, quick: bool) -> dict:
         peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         total_peak_mb = torch.cuda.max_memory_allocated() / 2**20
     else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        base = _rss_kb()["VmRSS"]
+        base = reset_peak_rss()
         run()
-        peak_mb = (_rss_kb()["VmHWM"] - base) / 1024
-        total_peak_mb = _rss_kb()["VmHWM"] / 1024
+        peak_mb = (proc_memory_kb()["VmHWM"] - base) / 1024
+        total_peak_mb = proc_memory_kb()["VmHWM"] / 1024
     if method != meta["peer"] and not case.endswith("_gpu"):
         _check(run(), peer(), meta)
     times = []

@@ -45,6 +45,24 @@ STAT_KEYS = ("mean", "median", "stddev", "min", "max", "rounds", "iterations")
 
 
 # ----------------------------------------------------------------------------- machine info
+def proc_memory_kb() -> dict[str, int]:
+    """This process's ``VmRSS`` and ``VmHWM`` (peak RSS) in KiB, from ``/proc/self/status``."""
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM", "VmRSS")):
+                vals[line.split(":")[0]] = int(line.split()[1])
+    return vals
+
+
+def reset_peak_rss() -> int:
+    """Reset ``VmHWM`` to the current RSS (``/proc/self/clear_refs`` = 5); returns that RSS in
+    KiB, the base a later ``proc_memory_kb()["VmHWM"]`` is measured from."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_memory_kb()["VmRSS"]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

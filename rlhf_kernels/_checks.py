@@ -68,6 +68,15 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     return cu
 
 
+def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 ``(total,)``: the sequence index of every packed token, after
+    :func:`check_cu_seqlens` (empty sequences own no token)."""
+    cu = check_cu_seqlens(cu_seqlens, total)
+    lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=cu_seqlens.device)
+    seq = torch.arange(len(lens), device=cu_seqlens.device)
+    return torch.repeat_interleave(seq, lens, output_size=total)
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:

@@ -101,15 +101,7 @@ def build_frozen(module: torch.nn.Module, cfg, layout: Layout) -> torch.nn.Modul
     zero: dict = {"stage": 3}
     if cfg.ref_offload:
         zero["offload_param"] = {"device": "cpu"}
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": layout.world,
-        "zero_optimization": zero,
-        "bf16": {"enabled": cfg.dtype == "bf16"},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
+    config = {**ds_config(cfg, layout), "zero_optimization": zero}  # --tp-size 1 (validated)
     engine, _, _, _ = deepspeed.initialize(model=module, config=config)
     engine.eval()
     return engine.module

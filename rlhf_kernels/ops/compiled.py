@@ -19,7 +19,7 @@ bad input still raises, before any work.
 - ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
   mask (data-dependent lengths).
 - ``rlhf_kernels::linear_logprobs_fwd`` / ``_bwd`` -> the fused lm_head + log-prob blocks
-  (``(logp, entropy, lse)`` / ``(dhidden, dweight, dbias)``), label range checked at run time.
+  (``(logp, entropy, lse)`` / ``(dhidden, dweight, dbias)``).
 - ``rlhf_kernels::safe_labels`` -> labels clamped for gathering, after the range check.
 - ``rlhf_kernels::segment_ids`` -> the sequence index of every packed token (validates
   ``cu_seqlens``); the sequence aggregations and GAE's segment ends are built from it.
@@ -201,20 +201,16 @@ def linear_logprobs_fwd(
     h: Tensor,
     w: Tensor,
     b: Tensor | None,
-    labels: Tensor,
     safe: Tensor,
     temperature: float,
     want_entropy: bool,
     tc: int,
     vc: int,
-    ignore_index: int | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(logp, entropy or empty, lse)`` for the gatherable labels ``safe``; ``labels`` (raw,
-    with ignore_index) is only range-checked here, at run time, as in eager mode."""
+    """``(logp, entropy or empty, lse)`` for the gatherable labels ``safe`` (range-checked by
+    ``safe_labels`` before)."""
     from rlhf_kernels.ops import linear_logprobs as mod
-    from rlhf_kernels.ops.logprobs import check_label_range
 
-    check_label_range(labels, w.shape[0], ignore_index, mod.CHECK_LABELS_ON_CUDA)
     inv_tau = 1.0 / temperature
     with device_guard(h):
         logp, ent, lse = mod._forward(
@@ -224,7 +220,7 @@ def linear_logprobs_fwd(
 
 
 @linear_logprobs_fwd.register_fake
-def _(h, w, b, labels, safe, temperature, want_entropy, tc, vc, ignore_index):
+def _(h, w, b, safe, temperature, want_entropy, tc, vc):
     t = h.new_empty(h.shape[0], dtype=torch.float32)
     return t, (torch.empty_like(t) if want_entropy else t.new_empty(0)), torch.empty_like(t)
 
@@ -265,7 +261,7 @@ def _(h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs):
 
 
 def _llp_setup(ctx, inputs, output):
-    h, w, b, _, safe, temperature, _, tc, vc, _ = inputs
+    h, w, b, safe, temperature, _, tc, vc = inputs
     ctx.save_for_backward(h, w, b, safe, output[2], output[1])
     ctx.cfg = (temperature, tc, vc, b is not None)
 
@@ -282,7 +278,7 @@ def _llp_backward(ctx, g_lp, g_ent, g_lse):
         h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs
     )
     grads = [g if n else None for g, n in zip((dh, dw, db), needs)]
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 torch.library.register_autograd(
@@ -292,15 +288,10 @@ torch.library.register_autograd(
 
 @torch.library.custom_op("rlhf_kernels::segment_ids", mutates_args=())
 def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
-    """int64 ``(total,)``: the sequence index of every packed token (``cu_seqlens`` validated
-    here, at run time)."""
-    from rlhf_kernels._checks import check_cu_seqlens
+    """``_checks.sequence_ids`` as an op: ``cu_seqlens`` is validated here, at run time."""
+    from rlhf_kernels._checks import sequence_ids
 
-    cu = check_cu_seqlens(cu_seqlens, total)
-    lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=cu_seqlens.device)
-    return torch.repeat_interleave(
-        torch.arange(len(lens), device=cu_seqlens.device), lens, output_size=total
-    )
+    return sequence_ids(cu_seqlens, total)
 
 
 @segment_ids.register_fake

@@ -557,7 +557,7 @@ def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab,
         if c is not None and c < 1:
             raise ValueError(f"{name} must be >= 1, got {c}")
     if torch.compiler.is_compiling():
-        return  # traced: the custom op checks the label range at run time
+        return  # traced: mask_labels' custom op checks the label range at run time
     check_label_range(labels, weight.shape[0], ignore_index, CHECK_LABELS_ON_CUDA)
 
 
@@ -603,9 +603,8 @@ def linear_logprobs(
     if torch.compiler.is_compiling():  # traced: a custom op with a fake (rlhf_kernels.ops.compiled)
         from rlhf_kernels.ops.compiled import linear_logprobs_fwd
 
-        raw = labels.reshape(-1)
         logp, ent, _ = linear_logprobs_fwd(
-            hidden, weight, bias, raw, lab, float(temperature), return_entropy, tc, vc, ignore_index
+            hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc
         )
     else:
         logp, ent = _LinearLogProbs.apply(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask, check_same_device
+from rlhf_kernels._checks import as_cu_seqlens, check_mask, check_same_device, sequence_ids
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -80,15 +80,10 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
             raise ValueError(
                 f"with cu_seqlens, {ref_name} must be packed 1-D (N,), got shape {tuple(ref.shape)}"
             )
+        ids = sequence_ids
         if torch.compiler.is_compiling():  # a custom op validates cu_seqlens at run time
-            from rlhf_kernels.ops.compiled import segment_ids
-
-            seq, n_seq = segment_ids(cu_seqlens, ref.shape[0]), cu_seqlens.shape[0] - 1
-        else:
-            cu = check_cu_seqlens(cu_seqlens, ref.shape[0])
-            lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=ref.device)
-            seq = torch.repeat_interleave(torch.arange(len(lens), device=ref.device), lens)
-            n_seq = len(lens)
+            from rlhf_kernels.ops.compiled import segment_ids as ids
+        seq, n_seq = ids(cu_seqlens, ref.shape[0]), cu_seqlens.shape[0] - 1
     elif ref.dim() == 1 and aggregation in (None, "token-mean"):
         seq = torch.zeros_like(ref, dtype=torch.long)
         n_seq = 1

@@ -23,6 +23,21 @@ flash_cpu_backward = getattr(
 )
 
 
+def _visible_runs(plan: RingPlan, rank: int, src: int, left: int, right: int):
+    """Yield ``(q_slot, q_len, q_pos, k_slot, k_len, k_pos)`` for every run of ``rank``'s
+    queries and run of ``src``'s keys of the same document with at least one visible pair
+    (key ``j`` visible from query ``i`` iff ``i - left <= j <= i + right``; negative: unbounded).
+    """
+    k_by_doc: dict[int, list] = {}
+    for ks, kn, d, kp in plan.segments(src):
+        k_by_doc.setdefault(d, []).append((ks, kn, kp))
+    for qs, qn, d, qp in plan.segments(rank):
+        for ks, kn, kp in k_by_doc.get(d, ()):
+            if (right >= 0 and kp > qp + qn - 1 + right) or (left >= 0 and kp + kn - 1 < qp - left):
+                continue  # fully masked
+            yield qs, qn, qp, ks, kn, kp
+
+
 def tile_pairs(plan: RingPlan, rank: int, src: int, causal: bool, window_size, tile: int):
     """Tiles of ``rank``'s queries x ``src``'s keys that have at least one visible pair.
 
@@ -36,22 +51,18 @@ def tile_pairs(plan: RingPlan, rank: int, src: int, causal: bool, window_size, t
     key = ("tiles", rank, src, left, right, tile)
     if key in plan._cache:
         return plan._cache[key]
-    k_by_doc: dict[int, list] = {}
-    for ks, kn, d, kp in plan.segments(src):
-        k_by_doc.setdefault(d, []).append((ks, kn, kp))
     pairs = []
-    for qs, qn, d, qp in plan.segments(rank):
-        for ks, kn, kp in k_by_doc.get(d, ()):
-            for a in range(0, qn, tile):
-                ta = min(tile, qn - a)
-                qlo, qhi = qp + a, qp + a + ta - 1
-                for b in range(0, kn, tile):
-                    tb = min(tile, kn - b)
-                    klo, khi = kp + b, kp + b + tb - 1
-                    if (right >= 0 and klo > qhi + right) or (left >= 0 and khi < qlo - left):
-                        continue  # fully masked
-                    full = (right < 0 or khi <= qlo + right) and (left < 0 or klo >= qhi - left)
-                    pairs.append((qs + a, ta, ks + b, tb, None if full else (qlo, klo)))
+    for qs, qn, qp, ks, kn, kp in _visible_runs(plan, rank, src, left, right):
+        for a in range(0, qn, tile):
+            ta = min(tile, qn - a)
+            qlo, qhi = qp + a, qp + a + ta - 1
+            for b in range(0, kn, tile):
+                tb = min(tile, kn - b)
+                klo, khi = kp + b, kp + b + tb - 1
+                if (right >= 0 and klo > qhi + right) or (left >= 0 and khi < qlo - left):
+                    continue  # fully masked
+                full = (right < 0 or khi <= qlo + right) and (left < 0 or klo >= qhi - left)
+                pairs.append((qs + a, ta, ks + b, tb, None if full else (qlo, klo)))
     plan._cache[key] = pairs
     return pairs
 
@@ -214,20 +225,13 @@ def segment_pairs(plan: RingPlan, rank: int, src: int, left: int, right: int, de
     key = ("triton_pairs", rank, src, left, right, str(device))
     if key in plan._cache:
         return plan._cache[key]
-    k_by_doc: dict[int, list] = {}
-    for ks, kn, d, kp in plan.segments(src):
-        k_by_doc.setdefault(d, []).append((ks, kn, kp))
     iq, ik, lq, lk, diff = [], [], [], [], []
-    for qs, qn, d, qp in plan.segments(rank):
-        for ks, kn, kp in k_by_doc.get(d, ()):
-            qhi, khi = qp + qn - 1, kp + kn - 1
-            if (right >= 0 and kp > qhi + right) or (left >= 0 and khi < qp - left):
-                continue  # fully masked
-            iq.append(torch.arange(qs, qs + qn))
-            ik.append(torch.arange(ks, ks + kn))
-            lq.append(qn)
-            lk.append(kn)
-            diff.append(qp - kp)
+    for qs, qn, qp, ks, kn, kp in _visible_runs(plan, rank, src, left, right):
+        iq.append(torch.arange(qs, qs + qn))
+        ik.append(torch.arange(ks, ks + kn))
+        lq.append(qn)
+        lk.append(kn)
+        diff.append(qp - kp)
     if not iq:
         plan._cache[key] = None
         return None
