@@ -100,6 +100,13 @@ def test_chunk_rule():
     tc, vc = _chunk_sizes(32768, 4096, 131072)
     assert vc * 4096 <= 32768 * 4096 and tc * vc <= 32768 * 4096 and vc % 128 == 0
     assert _chunk_sizes(5, 8, 11) == (5, 11)
+    # CPU: at least min(T, 256) full-vocabulary rows per block (BLAS re-packs the weight per call)
+    assert _chunk_sizes(4096, 128, 32768, cpu=True) == (256, 32768)
+    assert _chunk_sizes(2187, 512, 32000, cpu=True) == (512, 16000)
+    assert _chunk_sizes(100, 128, 32768, cpu=True) == (100, 32768)  # short input: T rows
+    assert lp_mod._fits_one_pass(2187, 512, 32000, cpu=True) == (True, 256)
+    assert lp_mod._fits_one_pass(2187, 512, 32000) == (True, 131)
+    assert lp_mod._fits_one_pass(60, 512, 32000, cpu=True) == (True, 60)
 
 
 def test_bad_input():
@@ -128,7 +135,8 @@ def test_bad_input():
 def test_nll_loss_paths_temperature_and_bf16(small_budget, monkeypatch):
     if small_budget:  # vocab no longer fits one block: the linear_logprobs path is taken
         monkeypatch.setattr(lp_mod, "_MIN_BUDGET", 2048)
-        assert lp_mod._chunk_sizes(T, H, V)[1] < V
+        monkeypatch.setattr(lp_mod, "_CPU_ROWS", 0)
+        assert lp_mod._chunk_sizes(T, H, V, cpu=True)[1] < V
     h, w, b, labels = _inputs()
     mask = torch.rand(T) > 0.5
     for dtype in (torch.float32, torch.bfloat16):
@@ -166,6 +174,8 @@ def test_linear_policy_loss_matches_composition(small_budget, agg, monkeypatch):
 
     if small_budget:  # vocab split into chunks: linear_logprobs + policy_loss path
         monkeypatch.setattr(lp_mod, "_MIN_BUDGET", 2048)
+        monkeypatch.setattr(lp_mod, "_CPU_ROWS", 0)
+        assert not lp_mod._fits_one_pass(T, H, V, cpu=True)[0]
     h, w, b, labels = _inputs()
     old = torch.randn(T) * 0.3 - 7
     adv = torch.randn(T)

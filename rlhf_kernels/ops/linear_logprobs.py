@@ -21,11 +21,12 @@ When the result is a scalar loss the upstream gradient is one number, so ``linea
 ``no_grad`` / ``inference_mode``, or when no input requires grad, they run the forward only.
 
 Chunk rule (``_chunk_sizes``): a block budget of ``B = max(T * H, 2**22)`` fp32 elements (as
-large as the hidden states themselves, at least 16 MiB). Vocab chunk ``Vc = min(V, B // H)``
-rounded down to a multiple of 128 (so the fp32 ``dweight`` accumulator ``(Vc, H)`` also fits
-the budget), token chunk ``Tc = clamp(B // Vc, 16, T)``. The budget is capped at ``2**27``
-elements (512 MiB per fp32 block), so temporaries stay bounded at any ``T x H``: two blocks, the
-fp32 ``dhidden`` and one ``(Vc, H)`` fp32 accumulator.
+large as the hidden states themselves, at least 16 MiB; on CPU also at least ``min(T, 256) * V``,
+since CPU BLAS re-packs the weight on every call and small token blocks pay for it). Vocab
+chunk ``Vc = min(V, B // H)`` rounded down to a multiple of 128 (so the fp32 ``dweight``
+accumulator ``(Vc, H)`` also fits the budget), token chunk ``Tc = clamp(B // Vc, 16, T)``. The
+budget is capped at ``2**27`` elements (512 MiB per fp32 block), so temporaries stay bounded at
+any ``T x H``: two blocks, the fp32 ``dhidden`` and one ``(Vc, H)`` fp32 accumulator.
 
 Precision: logits blocks are always fp32. Low-precision (bf16/fp16) operands are multiplied with
 fp32 output (``torch.mm(..., out_dtype=torch.float32)`` on CUDA, an fp32 upcast on CPU), never
@@ -68,8 +69,23 @@ _NEG = torch.finfo(torch.float32).min  # stands in for -inf where 0 * -inf would
 CHECK_LABELS_ON_CUDA = os.environ.get("RLHF_KERNELS_DEBUG", "0") == "1"
 
 
-def _chunk_sizes(T: int, H: int, V: int) -> tuple[int, int]:
-    budget = min(max(T * H, _MIN_BUDGET), _MAX_BUDGET)
+# CPU BLAS packs the large (weight) operand afresh on every call, a cost amortised over the
+# call's token rows: with 131-row blocks it made each matmul ~1.4x its one-call time (2-core
+# EPYC, H=512, V=32000), with >= 256 rows ~1.05x. GPUs (cuBLAS) have no such per-call cost.
+_CPU_ROWS = 256
+
+
+def _budget(T: int, H: int, V: int, cpu: bool = False) -> int:
+    """fp32 elements of one logits block: ``max(T * H, 2**22)``, on CPU at least
+    ``min(T, 256)`` full-vocabulary rows, at most ``2**27``."""
+    b = max(T * H, _MIN_BUDGET)
+    if cpu:
+        b = max(b, min(T, _CPU_ROWS) * V)
+    return min(b, _MAX_BUDGET)
+
+
+def _chunk_sizes(T: int, H: int, V: int, cpu: bool = False) -> tuple[int, int]:
+    budget = _budget(T, H, V, cpu)
     vc = min(V, max(128, (budget // max(H, 1)) // 128 * 128))
     tc = max(1, min(T, max(16, budget // vc)))
     return tc, vc
@@ -495,12 +511,11 @@ def _chunk_logp(u, lab, fast):
     return u_lab - torch.log(s), None, s
 
 
-def _fits_one_pass(T: int, H: int, V: int, dtype: torch.dtype) -> tuple[bool, int]:
+def _fits_one_pass(T: int, H: int, V: int, cpu: bool = False) -> tuple[bool, int]:
     """Gradients in the forward (3 matmuls, Liger-style) when a block of ``tc >= min(T, 32)``
     tokens x the whole vocabulary fits the block budget. Its fp32 dweight accumulator is
     ``(V, H)`` (twice a bf16 weight gradient; none for fp32 weights)."""
-    budget = min(max(T * H, _MIN_BUDGET), _MAX_BUDGET)
-    tc = min(T, budget // max(V, 1))
+    tc = min(T, _budget(T, H, V, cpu) // max(V, 1))
     return tc >= min(T, 32), max(tc, 1)
 
 
@@ -513,7 +528,7 @@ def _logprobs_no_grad(hidden, weight, labels, bias, temperature):
 
     No gradient buffers, no saved tensors, no extra matmuls."""
     T, H = hidden.shape
-    tc, vc = _chunk_sizes(T, H, weight.shape[0])
+    tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     inv_tau = 1.0 / float(temperature)
     b_s = _scaled_bias(bias, inv_tau)
     return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False)[0]
@@ -597,7 +612,7 @@ def linear_logprobs(
     lead = labels.shape
     hidden = hidden.reshape(-1, hidden.shape[-1])
     T, H = hidden.shape
-    tc, vc = _chunk_sizes(T, H, weight.shape[0])
+    tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     tc, vc = chunk_tokens or tc, chunk_vocab or vc
     lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
     if torch.compiler.is_compiling():  # traced: a custom op with a fake (rlhf_kernels.ops.compiled)
@@ -765,7 +780,7 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss):
     compiling = torch.compiler.is_compiling()
     if not _grad_wanted(hidden, weight, bias) and not compiling:  # forward only, nothing saved
         return token_loss(_logprobs_no_grad(hidden, weight, lab, bias, temperature), slice(0, T))
-    one_pass, tc = _fits_one_pass(T, H, weight.shape[0], weight.dtype)
+    one_pass, tc = _fits_one_pass(T, H, weight.shape[0], hidden.device.type == "cpu")
     if one_pass and not compiling:  # traced: the linear_logprobs custom op below (4 matmuls)
         return _FusedLinearLoss.apply(hidden, weight, bias, lab, float(temperature), tc, token_loss)
     # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
