@@ -126,6 +126,12 @@ def _rl_cases():
             (t * wts).sum() for t in rk.linear_logprobs(h, w, lab, return_entropy=True)
         ),
         "linear_nll_loss": lambda h, w: rk.linear_nll_loss(h, w, lab, m),
+        "linear_logprobs_softcap": lambda h, w: sum(
+            (t * wts).sum() for t in rk.linear_logprobs(h, w, lab, return_entropy=True, softcap=2.0)
+        ),
+        "cross_entropy_softcap": lambda h, w: rk.FusedLinearCrossEntropyLoss(softcap=2.0)(
+            w, h, lab
+        ),
         "linear_policy_loss": lambda h, w: rk.linear_policy_loss(
             h, w, lab, old, adv, m, clip_high=0.28, dual_clip=3.0
         ),

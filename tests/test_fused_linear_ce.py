@@ -54,8 +54,8 @@ def test_clear_errors():
     x, w, b, y = _problem()
     with pytest.raises(ValueError, match="reduction must be one of"):
         FusedLinearCrossEntropyLoss(reduction="avg")
-    with pytest.raises(NotImplementedError, match="softcap=30.0"):
-        FusedLinearCrossEntropyLoss(softcap=30.0)(w, x, y)
+    with pytest.raises(ValueError, match="softcap must be None or > 0"):
+        FusedLinearCrossEntropyLoss(softcap=0.0)
     with pytest.raises(ValueError, match="target must have _input's leading shape"):
         fused_linear_cross_entropy(x, w, y.view(-1))
     with pytest.raises(ValueError, match="labels must lie in"):

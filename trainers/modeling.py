@@ -31,6 +31,23 @@ def _hidden(model: nn.Module, input_ids, position_ids, attention_mask, attn_kwar
     return out.last_hidden_state  # (B, S, H)
 
 
+def head_logit_args(lm: nn.Module, temperature: float = 1.0) -> dict:
+    """``temperature`` / ``softcap`` keywords for the fused lm_head ops that reproduce the
+    model's own logits: Gemma 2/3's ``final_logit_softcapping`` (``c * tanh(z / c)``) and
+    Cohere's ``logit_scale`` (``z * s``, folded into the temperature). Without them a fused loss
+    on such a model would silently score un-capped / un-scaled logits."""
+    cfg = getattr(lm, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    scale = getattr(cfg, "logit_scale", None)
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise ValueError(f"config.logit_scale must be a number, got {scale!r}")
+    if scale is not None and softcap is not None:
+        raise NotImplementedError("a model with both logit_scale and final_logit_softcapping")
+    tau = temperature / scale if scale is not None else temperature
+    return dict(temperature=float(tau), softcap=None if softcap is None else float(softcap))
+
+
 def _register_external(module: nn.Module, params) -> None:
     try:
         from deepspeed.zero import register_external_parameter
@@ -53,6 +70,7 @@ class CausalLMLoss(nn.Module):
         self.lm = lm
         head = lm.get_output_embeddings()
         _register_external(self, [p for p in head.parameters()])
+        self.logit_args = head_logit_args(lm)
 
     def forward(self, input_ids, position_ids, labels, attention_mask=None, **attn_kwargs):
         hidden = _hidden(self.lm, input_ids, position_ids, attention_mask, attn_kwargs)
@@ -62,7 +80,7 @@ class CausalLMLoss(nn.Module):
         n = h.shape[0]
         if n == 0:  # keep every parameter in the graph (ZeRO hooks expect a gradient)
             return hidden.sum() * 0.0 + head.weight.sum() * 0.0
-        return linear_nll_loss(h, head.weight, labels[sel], bias=head.bias) * n
+        return linear_nll_loss(h, head.weight, labels[sel], bias=head.bias, **self.logit_args) * n
 
 
 class RewardModel(nn.Module):

@@ -222,14 +222,15 @@ class Actor(torch.nn.Module):
     def __init__(self, lm, temperature: float):
         super().__init__()
         self.lm, self.temperature = lm, temperature
-        from trainers.modeling import _register_external
+        from trainers.modeling import _register_external, head_logit_args
 
         _register_external(self, list(head(lm).parameters()))
+        self.logit_args = head_logit_args(lm, temperature)  # sampling temperature + model's own
 
     def forward(self, samples: list[Sample], layout: Layout):
         h, labels = action_hidden(self.lm, samples, layout)
         w = head(self.lm)
-        return linear_logprobs(h, w.weight, labels, w.bias, self.temperature, return_entropy=True)
+        return linear_logprobs(h, w.weight, labels, w.bias, return_entropy=True, **self.logit_args)
 
 
 # ----------------------------------------------------------------------------- rollouts

@@ -206,6 +206,7 @@ def linear_logprobs_fwd(
     want_entropy: bool,
     tc: int,
     vc: int,
+    softcap: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy or empty, lse)`` for the gatherable labels ``safe`` (range-checked by
     ``safe_labels`` before)."""
@@ -214,13 +215,14 @@ def linear_logprobs_fwd(
     inv_tau = 1.0 / temperature
     with device_guard(h):
         logp, ent, lse = mod._forward(
-            h, w, mod._scaled_bias(b, inv_tau), safe, inv_tau, tc, vc, want_entropy
-        )
+            h, w, mod._scaled_bias(b, inv_tau, softcap), safe, inv_tau, tc, vc, want_entropy,
+            softcap,
+        )  # fmt: skip
     return logp, (ent if want_entropy else lse.new_empty(0)), lse
 
 
 @linear_logprobs_fwd.register_fake
-def _(h, w, b, safe, temperature, want_entropy, tc, vc):
+def _(h, w, b, safe, temperature, want_entropy, tc, vc, softcap):
     t = h.new_empty(h.shape[0], dtype=torch.float32)
     return t, (torch.empty_like(t) if want_entropy else t.new_empty(0)), torch.empty_like(t)
 
@@ -239,6 +241,7 @@ def linear_logprobs_bwd(
     g_lp: Tensor,
     g_ent: Tensor | None,
     needs: list[bool],
+    softcap: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)``; an input whose ``needs`` entry is False gets an empty."""
     from rlhf_kernels.ops import linear_logprobs as mod
@@ -246,8 +249,8 @@ def linear_logprobs_bwd(
     inv_tau = 1.0 / temperature
     with device_guard(h):
         dh, dw, db = mod._backward(
-            h, w, mod._scaled_bias(b, inv_tau), safe, inv_tau, tc, vc, lse, ent,
-            g_lp.float(), None if g_ent is None else g_ent.float(), tuple(needs),
+            h, w, mod._scaled_bias(b, inv_tau, softcap), safe, inv_tau, tc, vc, lse, ent,
+            g_lp.float(), None if g_ent is None else g_ent.float(), tuple(needs), softcap,
         )  # fmt: skip
     dh, dw, db = mod._cast_grads(dh, dw, db, h, b)
     empty = h.new_empty(0)
@@ -255,30 +258,30 @@ def linear_logprobs_bwd(
 
 
 @linear_logprobs_bwd.register_fake
-def _(h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs):
+def _(h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs, softcap):
     like = (h, w, b if b is not None else h.new_empty(0))
     return tuple(torch.empty_like(t) if n else h.new_empty(0) for t, n in zip(like, needs))
 
 
 def _llp_setup(ctx, inputs, output):
-    h, w, b, safe, temperature, _, tc, vc = inputs
+    h, w, b, safe, temperature, _, tc, vc, softcap = inputs
     ctx.save_for_backward(h, w, b, safe, output[2], output[1])
-    ctx.cfg = (temperature, tc, vc, b is not None)
+    ctx.cfg = (temperature, tc, vc, b is not None, softcap)
 
 
 def _llp_backward(ctx, g_lp, g_ent, g_lse):
     del g_lse  # lse is not an output of linear_logprobs
     h, w, b, safe, lse, ent = ctx.saved_tensors
-    temperature, tc, vc, has_b = ctx.cfg
+    temperature, tc, vc, has_b, softcap = ctx.cfg
     ng = ctx.needs_input_grad
     needs = [bool(ng[0]), bool(ng[1]), bool(has_b and ng[2])]
     g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
     g_ent = g_ent if (g_ent is not None and ent.numel()) else None
     dh, dw, db = linear_logprobs_bwd(
-        h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs
+        h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs, softcap
     )
     grads = [g if n else None for g, n in zip((dh, dw, db), needs)]
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(

@@ -10,7 +10,9 @@ The ``(tokens, vocab)`` logits never exist: ``reduction="mean"|"sum"`` runs
 weight-gradient accumulation), ``reduction="none"`` runs ``linear_logprobs`` (per-token values).
 Label smoothing needs no logits either: with ``u = h W^T + b``,
 ``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``, and
-``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product.
+``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product. ``softcap``
+(Gemma 2's final logit soft-capping, ``u = c tanh(z / c)``) runs inside the fused op; with it
+that mean is no longer linear in ``h``, so soft cap and label smoothing together are refused.
 """
 
 from __future__ import annotations
@@ -42,18 +44,19 @@ def fused_linear_cross_entropy(
         label_smoothing: in ``[0, 1]``, ``F.cross_entropy``'s meaning.
         reduction: ``"mean"`` (over non-ignored tokens; 0 if none), ``"sum"`` or ``"none"``
             (``target``'s shape, 0 at ignored tokens).
-        softcap: only ``None`` (Liger's logit soft-capping is not implemented here).
+        softcap: ``None`` or ``c > 0``: logits ``c * tanh(z / c)`` (as Liger and Gemma 2).
     Returns: float32 loss.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if softcap is not None:
-        raise NotImplementedError(
-            f"softcap={softcap}: logit soft-capping is not supported by the fused op; "
-            f"pass softcap=None"
-        )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and label_smoothing:
+        raise NotImplementedError(
+            f"softcap={softcap} with label_smoothing={label_smoothing}: the smoothing term needs "
+            "the mean of the capped logits over the vocabulary, which the fused op does not "
+            "form; use one of the two"
+        )
     if not isinstance(_input, torch.Tensor) or _input.dim() < 1:
         raise ValueError(f"_input must be a (..., H) tensor, got {type(_input).__name__}")
     if not isinstance(target, torch.Tensor) or target.shape != _input.shape[:-1]:
@@ -64,10 +67,12 @@ def fused_linear_cross_entropy(
     h, y = _input.reshape(-1, _input.shape[-1]), target.reshape(-1)
     keep = y != ignore_index
     if reduction == "none":
-        nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index)
+        nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
     else:
         # as one padded row: tokens with an ignored target (pads, prompts) skip the matmuls
-        nll = linear_nll_loss(h[None], weight, y[None], bias=bias, ignore_index=ignore_index)
+        nll = linear_nll_loss(
+            h[None], weight, y[None], bias=bias, ignore_index=ignore_index, softcap=softcap
+        )
         if reduction == "sum":
             nll = nll * keep.sum()
     if label_smoothing:
@@ -93,23 +98,52 @@ def _smoothing_term(h, w, y, b, keep, reduction):
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``.
 
-    Same constructor keywords (``ignore_index=-100``, ``label_smoothing=0.0``,
-    ``reduction="mean"``, ``softcap=None``) and call ``forward(lin_weight, _input, target,
-    bias=None)``; see :func:`fused_linear_cross_entropy`.
+    Same constructor (liger-kernel 0.8.5's keywords, in its positional order) and call
+    ``forward(lin_weight, _input, target, bias=None)``; see :func:`fused_linear_cross_entropy`.
+    Supported: ``ignore_index``, ``label_smoothing``, ``reduction``, ``softcap`` and
+    ``accum_dtype`` (accepted; gradients are always accumulated in fp32). The others must keep
+    their defaults (``ce_weight=None``, ``lse_square_scale=0.0``, ``return_z_loss``,
+    ``use_token_scaling``, ``return_token_accuracy``, ``return_predicted_tokens`` False): a
+    NotImplementedError names the one that does not.
     """
 
     def __init__(
         self,
+        ce_weight: torch.Tensor | None = None,
         ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
         softcap: float | None = None,
+        return_z_loss: bool = False,
+        accum_dtype: torch.dtype | None = None,
+        use_token_scaling: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
     ):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        unsupported = dict(  # keyword -> (value given, whether it differs from the default)
+            ce_weight=(ce_weight, ce_weight is not None),
+            lse_square_scale=(lse_square_scale, lse_square_scale != 0.0),
+            return_z_loss=(return_z_loss, bool(return_z_loss)),
+            use_token_scaling=(use_token_scaling, bool(use_token_scaling)),
+            return_token_accuracy=(return_token_accuracy, bool(return_token_accuracy)),
+            return_predicted_tokens=(return_predicted_tokens, bool(return_predicted_tokens)),
+        )
+        for name, (given, changed) in unsupported.items():
+            if changed:
+                if isinstance(given, torch.Tensor):
+                    given = f"<tensor of shape {tuple(given.shape)}>"
+                raise NotImplementedError(
+                    f"{name}={given!r} is not supported by rlhf_kernels' fused linear "
+                    "cross-entropy; leave it at its default"
+                )
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
-        self.reduction, self.softcap = reduction, softcap
+        self.reduction, self.softcap, self.accum_dtype = reduction, softcap, accum_dtype
 
     def forward(self, lin_weight, _input, target, bias=None):
         return fused_linear_cross_entropy(

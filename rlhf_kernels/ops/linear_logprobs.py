@@ -41,6 +41,10 @@ first, in eager mode). Under ``torch.compile`` the op is the ``rlhf_kernels::lin
 / ``_bwd`` custom ops (``ops/compiled.py``), so nothing breaks the graph; the scalar losses then
 use it (4 matmuls) instead of the one-pass path.
 
+Soft cap (``softcap=c``, Gemma 2's ``final_logit_softcapping``): ``u = c * tanh(z / c) / tau``
+in each block; the gradient blocks take the extra factor ``1 - tanh(z / c)^2`` (recovered from
+``u``), formed by torch passes (the Triton gradient pass is skipped then).
+
 Labels equal to ``ignore_index`` (default -100) get ``logp = 0`` and no gradient through it; the
 losses leave those tokens out. Other out-of-range labels: ValueError where checked (CPU, or
 ``RLHF_KERNELS_DEBUG=1``), a NaN result otherwise.
@@ -93,12 +97,14 @@ def _chunk_sizes(T: int, H: int, V: int, cpu: bool = False) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- reference
 def linear_logprobs_reference(
-    hidden, weight, labels, bias=None, temperature=1.0, ignore_index=IGNORE_INDEX
+    hidden, weight, labels, bias=None, temperature=1.0, ignore_index=IGNORE_INDEX, softcap=None
 ):
     """Naive math (full logits), in the inputs' dtype: (logp, entropy); logp 0 where ignored."""
     logits = hidden @ weight.T
     if bias is not None:
         logits = logits + bias
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     ignored = labels == ignore_index
     logp = logp_all.gather(-1, labels.masked_fill(ignored, 0)[:, None]).squeeze(-1)
@@ -136,14 +142,22 @@ def _mm_f32(a, b, out, add=None, alpha=1.0, beta=1.0):
     return torch.addmm(add, a, b, alpha=alpha, beta=beta, out=out)
 
 
-def _block(buf, hc, wc, b_s, inv_tau, lse=None):
-    """``buf``'s first ``n * nv`` floats as ``(n, nv)`` = ``(hc @ wc.T + b) / tau [- lse]``, fp32.
+def _block(buf, hc, wc, b_s, inv_tau, lse=None, cap=None):
+    """``buf``'s first ``n * nv`` floats as ``(n, nv)`` = ``u [- lse]``, fp32, with
+    ``u = (z / tau)`` or, with a soft cap, ``u = cap * tanh(z / cap) / tau``; ``z = hc @ wc.T + b``
+    (``b_s`` is ``b`` pre-scaled by :func:`_scaled_bias`).
 
     Reusing one preallocated buffer avoids a fresh (page-faulted) allocation per block; the
     ``1/tau`` scale and ``-lse`` go into the matmul's epilogue.
     """
     n, nv = hc.shape[0], wc.shape[0]
     u = buf.view(-1)[: n * nv].view(n, nv)
+    if cap is not None:
+        _mm_f32(hc, wc.T, u, alpha=1.0 / cap)
+        if b_s is not None:
+            u.add_(b_s)
+        u.tanh_().mul_(cap * inv_tau)
+        return u if lse is None else u.sub_(lse[:, None])
     if lse is None:
         _mm_f32(hc, wc.T, u, alpha=inv_tau)
     else:
@@ -234,12 +248,21 @@ def _view(buf, like):
     return buf.view(-1)[: like.numel()].view(like.shape)
 
 
+def _cap_factor(buf, u, lse, inv_tau, cap):
+    """``du/dz * tau = 1 - tanh(z / cap)^2`` of a soft-capped block, from ``u`` (``u - lse``
+    when ``lse`` is given), written to ``buf``: the factor that turns dL/du into dL/dz."""
+    t = torch.mul(u, 1.0 / (cap * inv_tau), out=_view(buf, u))
+    if lse is not None:
+        t.add_(lse[:, None], alpha=1.0 / (cap * inv_tau))
+    return t.square_().neg_().add_(1.0)
+
+
 def _label_in_chunk(lab, v0, nv):
     idx = lab - v0
     return idx.clamp(0, nv - 1)[:, None], (idx >= 0) & (idx < nv)
 
 
-def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy):
+def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None):
     T, V = h.shape[0], w.shape[0]
     lse = torch.empty(T, dtype=torch.float32, device=h.device)
     logp, ent = torch.empty_like(lse), torch.empty_like(lse)
@@ -253,7 +276,7 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy):
         s, t, u_lab = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
         for v0 in range(0, V, vc):
             bc = None if b_s is None else b_s[v0 : v0 + vc]
-            u = _block(buf_u, hc, w[v0 : v0 + vc], bc, inv_tau)
+            u = _block(buf_u, hc, w[v0 : v0 + vc], bc, inv_tau, cap=cap)
             if fast:
                 nv = u.shape[1]
                 _stats_kernel[(n,)](
@@ -306,7 +329,7 @@ def _accumulate(g, hc, wc, dh_c, acc):
         _mm_f32(gd.T, hc, acc, add=acc)
 
 
-def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
+def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs, cap=None):
     """Gradients (dhidden, dweight, dbias) for upstream g_lp (T,) and g_ent (T,) or None.
 
     Vocab chunks outer, token chunks inner: the fp32 weight-gradient accumulator is one
@@ -318,9 +341,10 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
     g_lp = (g_lp * inv_tau).contiguous()  # d u / d z = 1 / tau folded into the upstream grads
     g_ent = None if g_ent is None else (g_ent * inv_tau).contiguous()
     buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
-    fast = _use_triton(h)
+    fast = _use_triton(h) and cap is None  # soft cap: torch passes (one more factor per block)
     # fast path: dU is written straight in the matmul dtype
     buf_p = torch.empty(buf_u.numel(), dtype=h.dtype if fast else torch.float32, device=h.device)
+    buf_f = None if cap is None else torch.empty_like(buf_u)
     for v0 in range(0, V, vc):
         wc = w[v0 : v0 + vc]
         bc = None if b_s is None else b_s[v0 : v0 + vc]
@@ -332,7 +356,9 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
         for t0 in range(0, T, tc):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
             sl = slice(t0, t0 + hc.shape[0])
-            logp = _block(buf_u, hc, wc, bc, inv_tau, lse=lse[sl])  # (n, nv) log p
+            logp = _block(buf_u, hc, wc, bc, inv_tau, lse=lse[sl], cap=cap)  # (n, nv) log p
+            if cap is not None:
+                fac = _cap_factor(buf_f, logp, lse[sl], inv_tau, cap)
             if fast:
                 g = _view(buf_p, logp)
                 has_ent = g_ent is not None
@@ -350,6 +376,8 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs):
                     g = p.mul_(-g_lp[sl, None])
                 col, here = _label_in_chunk(lab, v0, nv)
                 g.scatter_add_(1, col, torch.where(here, g_lp[sl], 0.0)[:, None])
+                if cap is not None:
+                    g.mul_(fac)
             if db is not None:
                 db[v0 : v0 + nv] += g.sum(0, dtype=torch.float32)
             _accumulate(g, hc, wc, None if dh is None else dh[sl], acc)
@@ -366,25 +394,26 @@ def _cast_grads(dh, dw, db, h, b):
     )
 
 
-def _scaled_bias(b, inv_tau):
-    return None if b is None else b.float() * inv_tau
+def _scaled_bias(b, inv_tau, cap=None):
+    """The bias as :func:`_block` adds it: ``b / tau``, or ``b / cap`` under a soft cap."""
+    return None if b is None else b.float() * (inv_tau if cap is None else 1.0 / cap)
 
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc):
+    def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc, cap):
         inv_tau = 1.0 / tau
-        b_s = _scaled_bias(b, inv_tau)
+        b_s = _scaled_bias(b, inv_tau, cap)
         with device_guard(h):
-            logp, ent, lse = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy)
+            logp, ent, lse = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap)
         ctx.save_for_backward(h, w, b, labels, lse, ent)
-        ctx.cfg = (inv_tau, tc, vc)
+        ctx.cfg = (inv_tau, tc, vc, cap)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         h, w, b, labels, lse, ent = ctx.saved_tensors
-        inv_tau, tc, vc = ctx.cfg
+        inv_tau, tc, vc, cap = ctx.cfg
         if g_lp is None:
             g_lp = torch.zeros_like(lse)
         needs = (
@@ -396,7 +425,7 @@ class _LinearLogProbs(torch.autograd.Function):
             dh, dw, db = _backward(
                 h,
                 w,
-                _scaled_bias(b, inv_tau),
+                _scaled_bias(b, inv_tau, cap),
                 labels,
                 inv_tau,
                 tc,
@@ -406,8 +435,9 @@ class _LinearLogProbs(torch.autograd.Function):
                 g_lp.float(),
                 None if g_ent is None else g_ent.float(),
                 needs,
+                cap,
             )
-        return (*_cast_grads(dh, dw, db, h, b), None, None, None, None, None)
+        return (*_cast_grads(dh, dw, db, h, b), None, None, None, None, None, None)
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -415,17 +445,18 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     The upstream gradient of a scalar is one number, so (Liger-style) each token chunk's
     ``dL/dlogp`` (autograd on the small ``(n,)`` vector) is turned into
-    ``dU = dL/dlogp * (onehot - p) / tau`` right after the chunk's log-sum-exp and folded into
-    ``dhidden`` / ``dweight``: 3 matmuls instead of 4. Needs the whole vocabulary in one block.
+    ``dU = dL/dlogp * (onehot - p) / tau`` (times ``1 - tanh^2`` under a soft cap) right after
+    the chunk's log-sum-exp and folded into ``dhidden`` / ``dweight``: 3 matmuls instead of 4.
+    Needs the whole vocabulary in one block.
     ``token_loss`` must be a sum over tokens (weights precomputed), so chunks add up.
     """
 
     @staticmethod
-    def forward(ctx, h, w, b, labels, tau, tc, token_loss):
+    def forward(ctx, h, w, b, labels, tau, tc, token_loss, cap):
         inv_tau = 1.0 / tau
         T, H = h.shape
         V = w.shape[0]
-        b_s = _scaled_bias(b, inv_tau)
+        b_s = _scaled_bias(b, inv_tau, cap)
         ng = ctx.needs_input_grad  # grad mode and requires_grad, as seen by autograd
         needs = (ng[0], ng[1], b is not None and ng[2])
         # dhidden rows are final after their chunk (whole vocabulary per block): input dtype
@@ -434,16 +465,22 @@ class _FusedLinearLoss(torch.autograd.Function):
         acc = None
         if dw is not None:  # fp32 accumulator (in place for fp32 weights)
             acc = dw.zero_() if w.dtype == torch.float32 else torch.zeros(V, H, device=h.device)
-        fast = _use_triton(h)
+        fast = _use_triton(h) and cap is None  # soft cap: torch passes
         buf_u = torch.empty(min(tc, T) * V, dtype=torch.float32, device=h.device)
         # dU: written by the Triton pass in the matmul dtype, or computed in place in fp32
         buf_p = torch.empty(buf_u.numel(), dtype=h.dtype, device=h.device) if fast else None
+        buf_f = None if cap is None else torch.empty_like(buf_u)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         with device_guard(h):
             for t0 in range(0, T, tc):
                 hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
                 sl = slice(t0, t0 + hc.shape[0])
-                u = _block(buf_u, hc, w, b_s, inv_tau)
+                u = _block(buf_u, hc, w, b_s, inv_tau, cap=cap)
+                fac = (
+                    None
+                    if cap is None or not any(needs)
+                    else _cap_factor(buf_f, u, None, inv_tau, cap)
+                )
                 logp, lse, p_sum = _chunk_logp(u, lab, fast)
                 logp.requires_grad_(any(needs))
                 with torch.enable_grad():
@@ -462,6 +499,8 @@ class _FusedLinearLoss(torch.autograd.Function):
                 else:  # u holds exp(u - max) here
                     g = u.mul_((-g_lp / p_sum)[:, None])  # -g_lp * softmax / tau
                     g.scatter_add_(1, lab[:, None], g_lp[:, None])
+                    if fac is not None:
+                        g.mul_(fac)
                 if db is not None:
                     db += g.sum(0, dtype=torch.float32)
                 gd = g if g.dtype == h.dtype else g.to(h.dtype)
@@ -486,7 +525,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             )
         out = tuple(None if t is None else t.mul_(g.to(t.dtype)) for t in grads)
         del grads
-        return out + (None,) * 4
+        return out + (None,) * 5
 
 
 def _chunk_logp(u, lab, fast):
@@ -523,19 +562,21 @@ def _grad_wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _logprobs_no_grad(hidden, weight, labels, bias, temperature):
+def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None):
     """Forward only (no_grad / inference_mode / nothing requires grad): ``(T,)`` fp32 logp.
 
     No gradient buffers, no saved tensors, no extra matmuls."""
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     inv_tau = 1.0 / float(temperature)
-    b_s = _scaled_bias(bias, inv_tau)
-    return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False)[0]
+    b_s = _scaled_bias(bias, inv_tau, cap)
+    return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False, cap)[0]
 
 
 # ----------------------------------------------------------------------------- API
-def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index):
+def _check(
+    hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index, softcap
+):
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(
@@ -568,6 +609,8 @@ def _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab,
         raise ValueError(f"hidden, weight, labels, bias must share a device, got {devices}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if c is not None and c < 1:
             raise ValueError(f"{name} must be >= 1, got {c}")
@@ -587,6 +630,7 @@ def linear_logprobs(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     ignore_index: int | None = IGNORE_INDEX,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax((hidden @ weight.T + bias) / temperature).gather(labels)`` without logits.
 
@@ -604,11 +648,16 @@ def linear_logprobs(
             docstring, ``_chunk_sizes``).
         ignore_index: labels with this value get ``logp = 0`` and no gradient through it
             (entropy is still computed there); ``None``: every label is a token id.
+        softcap: logit soft-capping as in Gemma 2 (``final_logit_softcapping``) and Liger:
+            the logits are ``softcap * tanh(z / softcap)`` before the temperature; ``None``: off.
     Returns:
         ``logp`` float32 of labels' shape, or ``(logp, entropy)`` both of that shape. Gradients flow
         to hidden, weight and bias; they are accumulated in fp32 and returned in input dtype.
     """
-    _check(hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index)
+    _check(
+        hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index, softcap
+    )
+    cap = None if softcap is None else float(softcap)
     lead = labels.shape
     hidden = hidden.reshape(-1, hidden.shape[-1])
     T, H = hidden.shape
@@ -619,11 +668,11 @@ def linear_logprobs(
         from rlhf_kernels.ops.compiled import linear_logprobs_fwd
 
         logp, ent, _ = linear_logprobs_fwd(
-            hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc
+            hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc, cap
         )
     else:
         logp, ent = _LinearLogProbs.apply(
-            hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc
+            hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc, cap
         )
     logp = fix_masked(logp, ignored, bad).view(lead)
     return (logp, ent.view(lead)) if return_entropy else logp
@@ -639,12 +688,14 @@ def linear_nll_loss(
     ignore_index: int | None = IGNORE_INDEX,
     *,
     group=None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """SFT loss without logits: ``-sum(mask * logp) / sum(mask)``.
 
     Args: as :func:`linear_logprobs` (packed ``(T, H)`` or padded ``(B, T, H)`` hidden);
     ``mask`` (labels' shape, 0/1 bool or numeric) selects the tokens that count (default: all);
-    tokens whose label is ``ignore_index`` never count (as in ``F.cross_entropy``).
+    tokens whose label is ``ignore_index`` never count (as in ``F.cross_entropy``); ``softcap``
+    as in :func:`linear_logprobs`.
     ``group``: a ring (or any) process group whose ranks each hold a shard of the tokens: the
     denominator becomes the token count summed over the group (one all-reduce of a scalar), so
     the ranks' losses add up to the single-device loss and their gradients, summed over the
@@ -654,7 +705,7 @@ def linear_nll_loss(
     accumulator is free (fp32 weight) or within the block budget, gradients are computed in the
     forward pass (``_LinearNLL``, 3 matmuls); otherwise this is ``linear_logprobs`` + a sum.
     """
-    _check(hidden, weight, labels, bias, temperature, None, None, ignore_index)
+    _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
     if mask is not None and mask.shape != labels.shape:
         raise ValueError(
             f"mask must have labels' shape {tuple(labels.shape)}, got {tuple(mask.shape)}"
@@ -668,7 +719,8 @@ def linear_nll_loss(
         m = m.masked_fill(ignored, 0.0)
     wt = m / _token_count(m, group)  # per-token weight of -logp in the loss
     hidden, lab, (wt, bad) = _live_rows(hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad,))
-    return _nan_if_bad(_scalar_loss(hidden, weight, bias, lab, temperature, wt, None), bad, wt)
+    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, None, softcap)
+    return _nan_if_bad(loss, bad, wt)
 
 
 def linear_policy_loss(
@@ -688,11 +740,12 @@ def linear_policy_loss(
     cu_seqlens: torch.Tensor | None = None,
     ignore_index: int | None = IGNORE_INDEX,
     group=None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """PPO clipped loss straight from hidden states: lm_head -> log-prob -> ``policy_loss``.
 
     Args:
-        hidden, weight, labels, bias, temperature: as :func:`linear_logprobs`: packed
+        hidden, weight, labels, bias, temperature, softcap: as :func:`linear_logprobs`: packed
             ``(T, H)`` tokens or a padded ``(B, T, H)`` batch; ``labels[..., t]`` is the
             sampled token scored at position ``t``.
         old_logp, advantages: float, labels' shape: behaviour-policy log-probs and advantages.
@@ -710,7 +763,7 @@ def linear_policy_loss(
     """
     from rlhf_kernels.ops import losses
 
-    _check(hidden, weight, labels, bias, temperature, None, None, ignore_index)
+    _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
     losses._check_float(old_logp=old_logp, advantages=advantages)
     losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip)
     if old_logp.shape != labels.shape:
@@ -743,7 +796,8 @@ def linear_policy_loss(
         tok = losses._ppo_token_loss(logp, ref[sl], adv[sl], clip_low, clip_high, dual_clip)[0]
         return (tok * wt[sl]).sum()
 
-    return _nan_if_bad(_scalar_loss(hidden, weight, bias, lab, temperature, None, ppo), bad, wt)
+    loss = _scalar_loss(hidden, weight, bias, lab, temperature, None, ppo, softcap)
+    return _nan_if_bad(loss, bad, wt)
 
 
 def _token_count(m, group):
@@ -770,7 +824,7 @@ def _live_rows(hidden, lab, wt, padded, more=()):
     return pick(hidden), pick(lab), tuple(pick(t) for t in (wt, *more))
 
 
-def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss):
+def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss, softcap=None):
     """``-sum(wt * logp)`` (``token_loss`` None) or ``sum_chunks token_loss(logp_chunk, rows)``
     for gatherable labels ``lab``: one pass with gradients made in the forward when the
     vocabulary fits one block, else ``linear_logprobs`` + autograd; forward only without grad."""
@@ -779,12 +833,18 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss):
         token_loss = lambda logp, sl: -(wt[sl] * logp).sum()
     compiling = torch.compiler.is_compiling()
     if not _grad_wanted(hidden, weight, bias) and not compiling:  # forward only, nothing saved
-        return token_loss(_logprobs_no_grad(hidden, weight, lab, bias, temperature), slice(0, T))
+        cap = None if softcap is None else float(softcap)
+        logp = _logprobs_no_grad(hidden, weight, lab, bias, temperature, cap)
+        return token_loss(logp, slice(0, T))
     one_pass, tc = _fits_one_pass(T, H, weight.shape[0], hidden.device.type == "cpu")
     if one_pass and not compiling:  # traced: the linear_logprobs custom op below (4 matmuls)
-        return _FusedLinearLoss.apply(hidden, weight, bias, lab, float(temperature), tc, token_loss)
+        cap = None if softcap is None else float(softcap)
+        tau = float(temperature)
+        return _FusedLinearLoss.apply(hidden, weight, bias, lab, tau, tc, token_loss, cap)
     # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
-    logp = linear_logprobs(hidden, weight, lab, bias, temperature, ignore_index=None)
+    logp = linear_logprobs(
+        hidden, weight, lab, bias, temperature, ignore_index=None, softcap=softcap
+    )
     return token_loss(logp, slice(0, T))
 
 

@@ -1,0 +1,208 @@
+"""Logit soft-capping (Gemma 2's ``final_logit_softcapping``, Liger's ``softcap``) in the fused
+lm_head ops: ``u = c * tanh(z / c) / tau`` on every path (4-matmul blocks, one-pass losses,
+Triton block passes under the interpreter, no-grad), against float64 full-logit references and
+a real Gemma 2 model's own loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhf_kernels import (
+    FusedLinearCrossEntropyLoss,
+    fused_linear_cross_entropy,
+    linear_logprobs,
+    linear_nll_loss,
+    linear_policy_loss,
+)
+from rlhf_kernels.ops import linear_logprobs as lp_mod
+from rlhf_kernels.ops.linear_logprobs import linear_logprobs_reference
+from rlhf_kernels.ops.losses import policy_loss
+
+T, H, V, CAP = 45, 24, 300, 3.0
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=g) * 2  # logits well into tanh's bend (|z| ~ 3-10)
+    w = torch.randn(V, H, generator=g) / H**0.5
+    b = torch.randn(V, generator=g)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[[3, 17]] = -100
+    return h, w, b, labels
+
+
+def _leaves(*ts, double=False):
+    return [t.detach().double().requires_grad_() if double else t.detach().clone().requires_grad_()
+            for t in ts]  # fmt: skip
+
+
+@pytest.mark.parametrize("chunks", [(None, None), (16, 128), (45, 70)])
+@pytest.mark.parametrize("triton_blocks", [False, True])
+def test_linear_logprobs_softcap_matches_float64(chunks, triton_blocks, monkeypatch):
+    if triton_blocks:  # the Triton block passes (interpreter on CPU)
+        monkeypatch.setenv("RLHF_KERNELS_LINEAR_TRITON", "1")
+    h, w, b, labels = _inputs()
+    w_lp, w_ent = torch.randn(T), torch.randn(T)
+    tc, vc = chunks
+    ours, ref = _leaves(h, w, b), _leaves(h, w, b, double=True)
+    lp, ent = linear_logprobs(
+        *ours[:2], labels, ours[2], 0.7, True, chunk_tokens=tc, chunk_vocab=vc, softcap=CAP
+    )
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    rlp, rent = linear_logprobs_reference(*ref[:2], labels, ref[2], 0.7, softcap=CAP)
+    ((rlp * w_lp.double()).sum() + (rent * w_ent.double()).sum()).backward()
+    torch.testing.assert_close(lp.double(), rlp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, atol=1e-5, rtol=1e-5)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
+    # the cap changes the answer (the test would catch a path that ignores it)
+    plain = linear_logprobs(h, w, labels, b, 0.7)
+    assert (plain - lp.detach()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("path", ["one_pass", "vocab_chunks", "no_grad"])
+def test_scalar_losses_softcap(path, monkeypatch):
+    if path == "vocab_chunks":  # vocab split: linear_logprobs (4 matmuls) + autograd
+        monkeypatch.setattr(lp_mod, "_MIN_BUDGET", 512)
+        monkeypatch.setattr(lp_mod, "_CPU_ROWS", 0)
+        assert not lp_mod._fits_one_pass(T, H, V, cpu=True)[0]
+    h, w, b, labels = _inputs(1)
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(T, generator=g) * 6 - 2
+    adv, mask = torch.randn(T, generator=g), torch.rand(T, generator=g) > 0.2
+    ref = _leaves(h, w, b, double=True)
+    rlp, _ = linear_logprobs_reference(*ref[:2], labels, ref[2], 1.3, softcap=CAP)
+    keep = mask & (labels != -100)
+    r_nll = -(rlp * keep).sum() / keep.sum()
+    r_ppo = policy_loss(rlp, old.double(), adv.double(), keep, clip_high=0.28)
+    kw = dict(bias=None, temperature=1.3, softcap=CAP)
+    for loss_fn, r in (
+        (lambda a: linear_nll_loss(a[0], a[1], labels, mask, **{**kw, "bias": a[2]}), r_nll),
+        (
+            lambda a: linear_policy_loss(
+                a[0], a[1], labels, old, adv, mask, clip_high=0.28, **{**kw, "bias": a[2]}
+            ),
+            r_ppo,
+        ),
+    ):
+        for t in ref:
+            t.grad = None
+        r.backward(retain_graph=True)
+        if path == "no_grad":
+            with torch.no_grad():
+                got = loss_fn([h, w, b])
+            torch.testing.assert_close(got.double(), r.detach(), atol=1e-5, rtol=1e-5)
+            continue
+        ours = _leaves(h, w, b)
+        got = loss_fn(ours)
+        got.backward()
+        torch.testing.assert_close(got.double(), r.detach(), atol=1e-5, rtol=1e-5)
+        for o, rr in zip(ours, ref):
+            torch.testing.assert_close(o.grad.double(), rr.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_softcap_matches_torch(reduction):
+    h, w, b, labels = _inputs(2)
+    x = h.view(5, 9, H)
+    y = labels.view(5, 9)
+    ours, ref = _leaves(x, w, b), _leaves(x, w, b)
+    got = FusedLinearCrossEntropyLoss(reduction=reduction, softcap=CAP)(
+        ours[1], ours[0], y, ours[2]
+    )
+    z = F.linear(ref[0], ref[1], ref[2])
+    want = F.cross_entropy((CAP * torch.tanh(z / CAP)).view(-1, V), y.view(-1), reduction=reduction)
+    want = want.view(y.shape) if reduction == "none" else want
+    wts = torch.linspace(0.5, 2, got.numel()).view_as(got)
+    (got * wts).sum().backward()
+    (want * wts).sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o.grad, r.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_liger_constructor_order_and_unsupported_keywords():
+    # liger-kernel 0.8.5: (ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+    # softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, ...)
+    fn = FusedLinearCrossEntropyLoss(None, -1, 0.0, 0.0, "sum", 5.0, False, torch.float32)
+    assert (fn.ignore_index, fn.reduction, fn.softcap) == (-1, "sum", 5.0)
+    for kw in (
+        dict(ce_weight=torch.ones(V)),
+        dict(lse_square_scale=1e-4),
+        dict(return_z_loss=True),
+        dict(use_token_scaling=True),
+        dict(return_token_accuracy=True),
+        dict(return_predicted_tokens=True),
+    ):
+        (name,) = kw
+        with pytest.raises(NotImplementedError, match=f"^{name}=.* is not supported"):
+            FusedLinearCrossEntropyLoss(**kw)
+    h, w, _, labels = _inputs()
+    with pytest.raises(NotImplementedError, match="softcap=3.0 with label_smoothing=0.1"):
+        fused_linear_cross_entropy(h, w, labels, label_smoothing=0.1, softcap=CAP)
+    for bad in (0.0, -1.0, "30"):
+        with pytest.raises(ValueError, match="softcap must be None or"):
+            linear_logprobs(h, w, labels, softcap=bad)
+
+
+def test_gemma2_fused_sft_loss_equals_model_loss(tmp_path):
+    """A real Gemma 2 (final_logit_softcapping): the fused loss on its hidden states and
+    lm_head weight equals the model's own loss, gradients included."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(
+        vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=0.3,
+        attn_logit_softcapping=None, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(cfg).save_pretrained(tmp_path)
+    model = Gemma2ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float()
+    ids = torch.randint(0, 211, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    # the model's own loss, with full logits
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    want = [p.grad.clone() for p in (model.lm_head.weight, model.model.norm.weight)]
+    model.zero_grad()
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    shift = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t scores token t + 1
+    loss = linear_nll_loss(hidden, model.lm_head.weight, shift, softcap=cfg.final_logit_softcapping)
+    loss.backward()
+    got = [p.grad for p in (model.lm_head.weight, model.model.norm.weight)]
+    torch.testing.assert_close(loss, out.loss, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "cohere"])
+def test_trainer_loss_follows_the_models_logit_transform(arch, tmp_path):
+    """The trainers' fused SFT loss reads Gemma 2's soft cap and Cohere's logit scale from the
+    config (before: they were ignored and the loss silently differed from the model's)."""
+    import transformers
+
+    from trainers.modeling import CausalLMLoss, head_logit_args
+
+    common = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    if arch == "gemma2":
+        cfg = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.3)
+        cls, expect = transformers.Gemma2ForCausalLM, dict(temperature=0.7, softcap=0.3)
+    else:
+        cfg = transformers.CohereConfig(**common, logit_scale=0.5)
+        cls, expect = transformers.CohereForCausalLM, dict(temperature=1.4, softcap=None)
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(tmp_path)
+    lm = cls.from_pretrained(tmp_path, attn_implementation="eager")
+    assert head_logit_args(lm, 0.7) == expect
+    ids = torch.randint(0, 97, (1, 10))
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    got = CausalLMLoss(lm)(ids, torch.arange(10)[None], labels) / 9
+    want = lm(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
