@@ -299,3 +299,24 @@ def test_bad_input():
         plan.unshard([torch.zeros(plan.local_len), torch.zeros(plan.local_len + 1)])
     with pytest.raises(ValueError, match="length 7"):
         plan.next_token_labels(torch.zeros(5, dtype=torch.long))
+
+
+def test_hf_rows_of_one_keep_their_leading_dim():
+    """``packed_model_inputs`` gives ``(1, T)`` rows: shard / unshard / next_token_labels take them
+    as they are (before: a ValueError, so every call needed ``[0]`` and ``[None]``)."""
+    plan = RingPlan.build(_cu([5, 9, 2]), 3, "zigzag")
+    ids = torch.arange(16)
+    hid = torch.randn(16, 4)
+    for r in range(3):
+        torch.testing.assert_close(plan.shard(ids[None], r), plan.shard(ids, r)[None])
+        torch.testing.assert_close(plan.shard(hid[None], r), plan.shard(hid, r)[None])
+        torch.testing.assert_close(
+            plan.next_token_labels(ids[None], r), plan.next_token_labels(ids, r)[None]
+        )
+    assert plan.next_token_labels(ids[None]).shape == (1, 16)
+    back = plan.unshard([plan.shard(hid[None], r) for r in range(3)])
+    torch.testing.assert_close(back, hid[None])
+    with pytest.raises(ValueError, match=r"length 16 or a \(1, 16\) row, got \(2, 16\)"):
+        plan.next_token_labels(torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="packed length 16 as first dim"):
+        plan.shard(torch.zeros(2, 16), 0)

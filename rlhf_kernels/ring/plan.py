@@ -168,15 +168,28 @@ class RingPlan:
         return self._tables()[2]
 
     # ------------------------------------------------------------------------- data movement
+    def _batch_of_one(self, x) -> bool:
+        """``x`` is a Hugging Face style ``(1, total, ...)`` row (``packed_model_inputs``)."""
+        return (
+            isinstance(x, torch.Tensor)
+            and x.dim() >= 2
+            and x.shape[0] == 1
+            and x.shape[1] == self.total
+            and self.total != 1
+        )
+
     def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """The rank's tokens of ``x`` (first dim = packed length ``total``); pad slots are zero.
 
-        Returns ``(local_len, *x.shape[1:])`` in x's dtype and device; differentiable. Costs one
-        slice copy per run (or, for plans of many short runs, one ``index_select``).
+        Returns ``(local_len, *x.shape[1:])`` in x's dtype and device; differentiable. A
+        ``(1, total, ...)`` row (HF layout) gives ``(1, local_len, ...)``. Costs one slice copy
+        per run (or, for plans of many short runs, one ``index_select``).
         """
         self.check_rank(rank)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if self._batch_of_one(x):
+            return self.shard(x[0], rank)[None]
         if x.dim() < 1 or x.shape[0] != self.total:
             raise ValueError(
                 f"x must have the packed length {self.total} as first dim, got shape "
@@ -185,13 +198,17 @@ class RingPlan:
         return self._take(x, rank, 0)
 
     def unshard(self, shards) -> torch.Tensor:
-        """Exact inverse of ``shard``: a list of ``world_size`` shards -> ``(total, ...)``.
+        """Exact inverse of ``shard``: a list of ``world_size`` shards -> ``(total, ...)``
+        (``(1, local_len, ...)`` shards -> ``(1, total, ...)``).
 
         Pad slots are dropped. Differentiable.
         """
         shards = list(shards)
         if len(shards) != self.world_size:
             raise ValueError(f"unshard needs {self.world_size} shards, got {len(shards)}")
+        rows = [isinstance(s, torch.Tensor) and s.dim() >= 2 and s.shape[0] == 1 for s in shards]
+        if self.local_len != 1 and all(rows) and all(s.shape[1] == self.local_len for s in shards):
+            return self.unshard([s[0] for s in shards])[None]
         for r, s in enumerate(shards):
             if not isinstance(s, torch.Tensor):
                 raise TypeError(f"shards[{r}] must be a torch.Tensor, got {type(s).__name__}")
@@ -222,20 +239,26 @@ class RingPlan:
 
         Args:
             labels: int ``(total,)`` over the whole packed stream (usually ``input_ids``, with
-                ``ignore_index`` where no loss is wanted).
+                ``ignore_index`` where no loss is wanted), or a ``(1, total)`` row (the result
+                then keeps the leading 1).
             rank: return the shard of this rank; None returns the whole stream.
             ignore_index: target for the last token of every document and for pad slots.
 
         Returns: int64, the target of the token at packed index ``g`` is ``labels[g + 1]`` when
         ``g + 1`` is in the same document, else ``ignore_index``.
         """
+        if self._batch_of_one(labels) and labels.dim() == 2:
+            return self.next_token_labels(labels[0], rank, ignore_index)[None]
         if (
             not isinstance(labels, torch.Tensor)
             or labels.dim() != 1
             or labels.shape[0] != self.total
         ):
             shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels)
-            raise ValueError(f"labels must be a 1-D tensor of length {self.total}, got {shape}")
+            raise ValueError(
+                f"labels must be a 1-D tensor of length {self.total} or a (1, {self.total}) "
+                f"row, got {shape}"
+            )
         cu = torch.tensor(self.cu_seqlens, device=labels.device)
         nxt = torch.full((self.total,), ignore_index, dtype=torch.int64, device=labels.device)
         nxt[:-1] = labels[1:].long()
