@@ -179,10 +179,10 @@ def test_gemma2_fused_sft_loss_equals_model_loss(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "cohere"])
+@pytest.mark.parametrize("arch", ["gemma2", "cohere", "granite"])
 def test_trainer_loss_follows_the_models_logit_transform(arch, tmp_path):
-    """The trainers' fused SFT loss reads Gemma 2's soft cap and Cohere's logit scale from the
-    config (before: they were ignored and the loss silently differed from the model's)."""
+    """The trainers' fused SFT loss reads Gemma 2's soft cap and Cohere's / Granite's logit scale
+    from the config (before: they were ignored and the loss silently differed from the model's)."""
     import transformers
 
     from trainers.modeling import CausalLMLoss, head_logit_args
@@ -194,9 +194,12 @@ def test_trainer_loss_follows_the_models_logit_transform(arch, tmp_path):
     if arch == "gemma2":
         cfg = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.3)
         cls, expect = transformers.Gemma2ForCausalLM, dict(temperature=0.7, softcap=0.3)
-    else:
+    elif arch == "cohere":
         cfg = transformers.CohereConfig(**common, logit_scale=0.5)
         cls, expect = transformers.CohereForCausalLM, dict(temperature=1.4, softcap=None)
+    else:
+        cfg = transformers.GraniteConfig(**common, logits_scaling=0.25)
+        cls, expect = transformers.GraniteForCausalLM, dict(temperature=0.175, softcap=None)
     torch.manual_seed(0)
     cls(cfg).save_pretrained(tmp_path)
     lm = cls.from_pretrained(tmp_path, attn_implementation="eager")

@@ -33,19 +33,28 @@ def _hidden(model: nn.Module, input_ids, position_ids, attention_mask, attn_kwar
 
 def head_logit_args(lm: nn.Module, temperature: float = 1.0) -> dict:
     """``temperature`` / ``softcap`` keywords for the fused lm_head ops that reproduce the
-    model's own logits: Gemma 2/3's ``final_logit_softcapping`` (``c * tanh(z / c)``) and
-    Cohere's ``logit_scale`` (``z * s``, folded into the temperature). Without them a fused loss
-    on such a model would silently score un-capped / un-scaled logits."""
+    model's own logits. transformers models that change the logits after ``lm_head``:
+    Gemma 2/3/4 ``final_logit_softcapping`` (``c * tanh(z / c)``), Cohere ``logit_scale``
+    (``z * s``), Granite ``logits_scaling`` (``z / s``), Falcon-H1 ``lm_head_multiplier``
+    (``z * s``); the scales fold into the temperature. Without them a fused loss on such a model
+    would silently score other logits than the model's."""
     cfg = getattr(lm, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
     softcap = getattr(cfg, "final_logit_softcapping", None)
-    scale = getattr(cfg, "logit_scale", None)
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise ValueError(f"config.logit_scale must be a number, got {scale!r}")
-    if scale is not None and softcap is not None:
-        raise NotImplementedError("a model with both logit_scale and final_logit_softcapping")
-    tau = temperature / scale if scale is not None else temperature
-    return dict(temperature=float(tau), softcap=None if softcap is None else float(softcap))
+    scale = 1.0  # logits = scale * z
+    for name, power in (("logit_scale", 1), ("lm_head_multiplier", 1), ("logits_scaling", -1)):
+        v = getattr(cfg, name, None)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"config.{name} must be a number > 0, got {v!r}")
+        scale *= float(v) ** power
+    if scale != 1.0 and softcap is not None:
+        raise NotImplementedError("a model with both a logit scale and final_logit_softcapping")
+    return dict(
+        temperature=float(temperature) / scale,
+        softcap=None if softcap is None else float(softcap),
+    )
 
 
 def _register_external(module: nn.Module, params) -> None:
