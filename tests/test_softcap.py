@@ -123,6 +123,48 @@ def test_cross_entropy_softcap_matches_torch(reduction):
         torch.testing.assert_close(o.grad, r.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("variant", ["plain", "softcap", "smoothing"])
+def test_cross_entropy_z_loss_matches_torch(reduction, variant):
+    """``lse_square_scale`` (z-loss) and ``return_z_loss``, Liger's meaning: ``s * lse^2`` per
+    counted token, inside the loss and reduced like it; the returned term is detached."""
+    h, w, b, labels = _inputs(3)
+    x, y = h.view(5, 9, H), labels.view(5, 9)
+    cap = CAP if variant == "softcap" else None
+    smooth = 0.1 if variant == "smoothing" else 0.0
+    ours, ref = _leaves(x, w, b), _leaves(x, w, b, double=True)
+    fn = FusedLinearCrossEntropyLoss(
+        lse_square_scale=1e-2, label_smoothing=smooth, reduction=reduction, softcap=cap,
+        return_z_loss=True,
+    )  # fmt: skip
+    out = fn(ours[1], ours[0], y, ours[2])
+    z = F.linear(ref[0], ref[1], ref[2])
+    z = z if cap is None else cap * torch.tanh(z / cap)
+    keep = (y != -100).double()
+    ce = F.cross_entropy(z.view(-1, V), y.view(-1), reduction="none", label_smoothing=smooth)
+    z_tok = 1e-2 * torch.logsumexp(z, -1).square() * keep
+    if reduction == "none":
+        want, want_z = ce.view(y.shape) + z_tok, z_tok
+    else:
+        div = 1.0 if reduction == "sum" else keep.sum()
+        want, want_z = (ce.sum() + z_tok.sum()) / div, z_tok.sum() / div
+    wts = torch.linspace(0.5, 2, out.loss.numel(), dtype=torch.float64).view(out.loss.shape)
+    (out.loss * wts).sum().backward()
+    (want * wts).sum().backward()
+    torch.testing.assert_close(out.loss.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.z_loss.double(), want_z.detach(), atol=1e-6, rtol=1e-5)
+    assert not out.z_loss.requires_grad and out.token_accuracy is None
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
+    # the functional form returns (loss, z_loss); the z term changes the loss
+    plain = fused_linear_cross_entropy(x, w, y, b, label_smoothing=smooth, softcap=cap)
+    with_z, _ = fused_linear_cross_entropy(
+        x, w, y, b, label_smoothing=smooth, reduction="mean", softcap=cap,
+        lse_square_scale=1e-2, return_z_loss=True,
+    )  # fmt: skip
+    assert with_z - plain > 1e-3
+
+
 def test_liger_constructor_order_and_unsupported_keywords():
     # liger-kernel 0.8.5: (ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
     # softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, ...)
@@ -130,8 +172,6 @@ def test_liger_constructor_order_and_unsupported_keywords():
     assert (fn.ignore_index, fn.reduction, fn.softcap) == (-1, "sum", 5.0)
     for kw in (
         dict(ce_weight=torch.ones(V)),
-        dict(lse_square_scale=1e-4),
-        dict(return_z_loss=True),
         dict(use_token_scaling=True),
         dict(return_token_accuracy=True),
         dict(return_predicted_tokens=True),
@@ -142,6 +182,8 @@ def test_liger_constructor_order_and_unsupported_keywords():
     h, w, _, labels = _inputs()
     with pytest.raises(NotImplementedError, match="softcap=3.0 with label_smoothing=0.1"):
         fused_linear_cross_entropy(h, w, labels, label_smoothing=0.1, softcap=CAP)
+    with pytest.raises(ValueError, match="lse_square_scale must be >= 0"):
+        fused_linear_cross_entropy(h, w, labels, lse_square_scale=-1e-4)
     for bad in (0.0, -1.0, "30"):
         with pytest.raises(ValueError, match="softcap must be None or"):
             linear_logprobs(h, w, labels, softcap=bad)

@@ -13,15 +13,31 @@ Label smoothing needs no logits either: with ``u = h W^T + b``,
 ``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product. ``softcap``
 (Gemma 2's final logit soft-capping, ``u = c tanh(z / c)``) runs inside the fused op; with it
 that mean is no longer linear in ``h``, so soft cap and label smoothing together are refused.
+The z-loss (``lse_square_scale * lse^2`` per token, Liger's / PaLM's) needs no logits either:
+``lse = u_y - logp_y``, with ``u_y = h . W_y + b_y`` a gather and a row dot product; it takes
+the per-token op (4 matmuls) instead of the one-pass loss (3).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss
 
 REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass
+class CrossEntropyOutput:
+    """What the module returns with ``return_z_loss=True`` (Liger's field names); ``z_loss`` is
+    the reduced z-loss term, already inside ``loss``, detached (for logging)."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
 
 
 def fused_linear_cross_entropy(
@@ -33,7 +49,9 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     softcap: float | None = None,
-) -> torch.Tensor:
+    lse_square_scale: float = 0.0,
+    return_z_loss: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.cross_entropy(F.linear(_input, weight, bias), target, ...)`` without the logits.
 
     Args:
@@ -45,12 +63,17 @@ def fused_linear_cross_entropy(
         reduction: ``"mean"`` (over non-ignored tokens; 0 if none), ``"sum"`` or ``"none"``
             (``target``'s shape, 0 at ignored tokens).
         softcap: ``None`` or ``c > 0``: logits ``c * tanh(z / c)`` (as Liger and Gemma 2).
-    Returns: float32 loss.
+        lse_square_scale: z-loss weight ``s >= 0``: ``s * logsumexp(logits)^2`` is added per
+            counted token (Liger's meaning), reduced like the loss.
+        return_z_loss: also return that reduced z-loss term (detached, for logging).
+    Returns: float32 loss (``target``'s shape for ``"none"``), or ``(loss, z_loss)``.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not lse_square_scale >= 0.0:
+        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
     if softcap is not None and label_smoothing:
         raise NotImplementedError(
             f"softcap={softcap} with label_smoothing={label_smoothing}: the smoothing term needs "
@@ -66,7 +89,14 @@ def fused_linear_cross_entropy(
         )
     h, y = _input.reshape(-1, _input.shape[-1]), target.reshape(-1)
     keep = y != ignore_index
-    if reduction == "none":
+    z_loss = None
+    if lse_square_scale or return_z_loss:  # per-token log-probs, then lse = u_y - logp_y
+        logp = linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
+        lse = (_target_logit(h, weight, y.masked_fill(~keep, 0), bias, softcap) - logp) * keep
+        z_tok = lse_square_scale * lse.square()
+        nll = _reduce(z_tok - logp, keep, reduction)
+        z_loss = _reduce(z_tok.detach(), keep, reduction)
+    elif reduction == "none":
         nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
     else:
         # as one padded row: tokens with an ignored target (pads, prompts) skip the matmuls
@@ -77,22 +107,35 @@ def fused_linear_cross_entropy(
             nll = nll * keep.sum()
     if label_smoothing:
         nll = nll + label_smoothing * _smoothing_term(h, weight, y, bias, keep, reduction)
-    return nll.view(target.shape) if reduction == "none" else nll
+    if reduction == "none":
+        nll = nll.view(target.shape)
+        z_loss = None if z_loss is None else z_loss.view(target.shape)
+    return (nll, z_loss) if return_z_loss else nll
+
+
+def _reduce(tok, keep, reduction):
+    """Per-token values (0 at ignored tokens) -> ``reduction`` over the counted tokens."""
+    if reduction == "none":
+        return tok
+    total = tok.sum()
+    return total if reduction == "sum" else total / keep.sum().clamp_min(1)
+
+
+def _target_logit(h, w, y_safe, b, softcap):
+    """``u_y`` per token, fp32 (capped when ``softcap``): one gathered row dot product."""
+    u_y = (h * w[y_safe]).float().sum(-1)
+    if b is not None:
+        u_y = u_y + b[y_safe].float()
+    return u_y if softcap is None else softcap * torch.tanh(u_y / softcap)
 
 
 def _smoothing_term(h, w, y, b, keep, reduction):
     """``u_y - mean_v u_v`` per token (0 at ignored ones), reduced like the loss; fp32."""
-    y_safe = y.masked_fill(~keep, 0)
-    u_y = (h * w[y_safe]).float().sum(-1)
+    u_y = _target_logit(h, w, y.masked_fill(~keep, 0), b, None)
     u_mean = h.float() @ w.float().mean(0)
     if b is not None:
-        u_y = u_y + b[y_safe].float()
         u_mean = u_mean + b.float().mean()
-    term = (u_y - u_mean) * keep
-    if reduction == "none":
-        return term
-    total = term.sum()
-    return total if reduction == "sum" else total / keep.sum().clamp_min(1)
+    return _reduce((u_y - u_mean) * keep, keep, reduction)
 
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
@@ -100,11 +143,11 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
 
     Same constructor (liger-kernel 0.8.5's keywords, in its positional order) and call
     ``forward(lin_weight, _input, target, bias=None)``; see :func:`fused_linear_cross_entropy`.
-    Supported: ``ignore_index``, ``label_smoothing``, ``reduction``, ``softcap`` and
-    ``accum_dtype`` (accepted; gradients are always accumulated in fp32). The others must keep
-    their defaults (``ce_weight=None``, ``lse_square_scale=0.0``, ``return_z_loss``,
-    ``use_token_scaling``, ``return_token_accuracy``, ``return_predicted_tokens`` False): a
-    NotImplementedError names the one that does not.
+    Supported: ``ignore_index``, ``lse_square_scale`` (z-loss), ``label_smoothing``,
+    ``reduction``, ``softcap``, ``return_z_loss`` (then a :class:`CrossEntropyOutput`, as Liger)
+    and ``accum_dtype`` (accepted; gradients are always accumulated in fp32). The others must
+    keep their defaults (``ce_weight=None``, ``use_token_scaling``, ``return_token_accuracy``,
+    ``return_predicted_tokens`` False): a NotImplementedError names the one that does not.
     """
 
     def __init__(
@@ -126,8 +169,6 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         unsupported = dict(  # keyword -> (value given, whether it differs from the default)
             ce_weight=(ce_weight, ce_weight is not None),
-            lse_square_scale=(lse_square_scale, lse_square_scale != 0.0),
-            return_z_loss=(return_z_loss, bool(return_z_loss)),
             use_token_scaling=(use_token_scaling, bool(use_token_scaling)),
             return_token_accuracy=(return_token_accuracy, bool(return_token_accuracy)),
             return_predicted_tokens=(return_predicted_tokens, bool(return_predicted_tokens)),
@@ -144,9 +185,11 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.reduction, self.softcap, self.accum_dtype = reduction, softcap, accum_dtype
+        self.lse_square_scale, self.return_z_loss = lse_square_scale, return_z_loss
 
     def forward(self, lin_weight, _input, target, bias=None):
-        return fused_linear_cross_entropy(
+        out = fused_linear_cross_entropy(
             _input, lin_weight, target, bias, self.ignore_index, self.label_smoothing,
-            self.reduction, self.softcap,
+            self.reduction, self.softcap, self.lse_square_scale, self.return_z_loss,
         )  # fmt: skip
+        return CrossEntropyOutput(*out) if self.return_z_loss else out
