@@ -165,6 +165,26 @@ def test_cross_entropy_z_loss_matches_torch(reduction, variant):
     assert with_z - plain > 1e-3
 
 
+def test_z_loss_bf16_within_twice_torch_and_zero_weight():
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(64, 256, generator=g) * 2).bfloat16()
+    w = (torch.randn(500, 256, generator=g) / 16).bfloat16()
+    y = torch.randint(0, 500, (64,), generator=g)
+
+    def torch_loss(x, w):
+        z = F.linear(x, w).float() if x.dtype != torch.float64 else F.linear(x, w)
+        return F.cross_entropy(z, y) + 1e-2 * torch.logsumexp(z, -1).square().mean()
+
+    ref = torch_loss(x.double(), w.double())
+    ours = fused_linear_cross_entropy(x, w, y, lse_square_scale=1e-2)
+    plain = torch_loss(x, w)
+    assert abs(ours.double() - ref) <= 2 * abs(plain.double() - ref) + 1e-6
+    # weight 0: the one-pass loss, and a zero z term
+    loss, z = fused_linear_cross_entropy(x, w, y, return_z_loss=True)
+    assert z.item() == 0.0
+    torch.testing.assert_close(loss, fused_linear_cross_entropy(x, w, y))
+
+
 def test_liger_constructor_order_and_unsupported_keywords():
     # liger-kernel 0.8.5: (ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
     # softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, ...)
@@ -184,7 +204,7 @@ def test_liger_constructor_order_and_unsupported_keywords():
         fused_linear_cross_entropy(h, w, labels, label_smoothing=0.1, softcap=CAP)
     with pytest.raises(ValueError, match="lse_square_scale must be >= 0"):
         fused_linear_cross_entropy(h, w, labels, lse_square_scale=-1e-4)
-    for bad in (0.0, -1.0, "30"):
+    for bad in (0.0, -1.0, "30", True):
         with pytest.raises(ValueError, match="softcap must be None or"):
             linear_logprobs(h, w, labels, softcap=bad)
 

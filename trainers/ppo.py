@@ -221,7 +221,7 @@ class Actor(torch.nn.Module):
 
     def __init__(self, lm, temperature: float):
         super().__init__()
-        self.lm, self.temperature = lm, temperature
+        self.lm = lm
         from trainers.modeling import _register_external, head_logit_args
 
         _register_external(self, list(head(lm).parameters()))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss
+from rlhf_kernels.ops.linear_logprobs import _positive_number, linear_logprobs, linear_nll_loss
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -90,9 +90,10 @@ def fused_linear_cross_entropy(
     h, y = _input.reshape(-1, _input.shape[-1]), target.reshape(-1)
     keep = y != ignore_index
     z_loss = None
-    if lse_square_scale or return_z_loss:  # per-token log-probs, then lse = u_y - logp_y
+    if lse_square_scale:  # per-token log-probs, then lse = u_y - logp_y
         logp = linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
-        lse = (_target_logit(h, weight, y.masked_fill(~keep, 0), bias, softcap) - logp) * keep
+        y_safe = y.masked_fill(~keep, 0).clamp(0, weight.shape[0] - 1)  # bad labels: NaN logp
+        lse = (_target_logit(h, weight, y_safe, bias, softcap) - logp) * keep
         z_tok = lse_square_scale * lse.square()
         nll = _reduce(z_tok - logp, keep, reduction)
         z_loss = _reduce(z_tok.detach(), keep, reduction)
@@ -105,6 +106,8 @@ def fused_linear_cross_entropy(
         )
         if reduction == "sum":
             nll = nll * keep.sum()
+    if return_z_loss and z_loss is None:  # asked for with weight 0: zeros, one-pass loss kept
+        z_loss = _reduce(torch.zeros(y.shape, device=h.device), keep, reduction)
     if label_smoothing:
         nll = nll + label_smoothing * _smoothing_term(h, weight, y, bias, keep, reduction)
     if reduction == "none":
@@ -122,8 +125,10 @@ def _reduce(tok, keep, reduction):
 
 
 def _target_logit(h, w, y_safe, b, softcap):
-    """``u_y`` per token, fp32 (capped when ``softcap``): one gathered row dot product."""
-    u_y = (h * w[y_safe]).float().sum(-1)
+    """``u_y`` per token, fp32 (capped when ``softcap``): one gathered row dot product, formed
+    in fp32 (a bf16 product per term would be off by ~1e-2 at H=2048). Its backward scatters
+    into a dense ``(V, H)`` weight gradient."""
+    u_y = (h.float() * w[y_safe].float()).sum(-1)
     if b is not None:
         u_y = u_y + b[y_safe].float()
     return u_y if softcap is None else softcap * torch.tanh(u_y / softcap)
@@ -131,7 +136,7 @@ def _target_logit(h, w, y_safe, b, softcap):
 
 def _smoothing_term(h, w, y, b, keep, reduction):
     """``u_y - mean_v u_v`` per token (0 at ignored ones), reduced like the loss; fp32."""
-    u_y = _target_logit(h, w, y.masked_fill(~keep, 0), b, None)
+    u_y = _target_logit(h, w, y.masked_fill(~keep, 0).clamp(0, w.shape[0] - 1), b, None)
     u_mean = h.float() @ w.float().mean(0)
     if b is not None:
         u_mean = u_mean + b.float().mean()
@@ -181,7 +186,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
                     f"{name}={given!r} is not supported by rlhf_kernels' fused linear "
                     "cross-entropy; leave it at its default"
                 )
-        if softcap is not None and not softcap > 0:
+        if softcap is not None and not _positive_number(softcap):
             raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.reduction, self.softcap, self.accum_dtype = reduction, softcap, accum_dtype

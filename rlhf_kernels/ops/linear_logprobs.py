@@ -26,7 +26,8 @@ since CPU BLAS re-packs the weight on every call and small token blocks pay for 
 chunk ``Vc = min(V, B // H)`` rounded down to a multiple of 128 (so the fp32 ``dweight``
 accumulator ``(Vc, H)`` also fits the budget), token chunk ``Tc = clamp(B // Vc, 16, T)``. The
 budget is capped at ``2**27`` elements (512 MiB per fp32 block), so temporaries stay bounded at
-any ``T x H``: two blocks, the fp32 ``dhidden`` and one ``(Vc, H)`` fp32 accumulator.
+any ``T x H``: two blocks (three under a soft cap), the fp32 ``dhidden`` and one ``(Vc, H)``
+fp32 accumulator.
 
 Precision: logits blocks are always fp32. Low-precision (bf16/fp16) operands are multiplied with
 fp32 output (``torch.mm(..., out_dtype=torch.float32)`` on CUDA, an fp32 upcast on CPU), never
@@ -53,6 +54,7 @@ losses leave those tokens out. Other out-of-range labels: ValueError where check
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -574,6 +576,11 @@ def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None):
 
 
 # ----------------------------------------------------------------------------- API
+def _positive_number(x) -> bool:
+    """A real number > 0 (Python or NumPy scalar, not a bool or a tensor)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x > 0
+
+
 def _check(
     hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index, softcap
 ):
@@ -609,7 +616,7 @@ def _check(
         raise ValueError(f"hidden, weight, labels, bias must share a device, got {devices}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+    if softcap is not None and not _positive_number(softcap):
         raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if c is not None and c < 1:

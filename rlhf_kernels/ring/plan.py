@@ -199,7 +199,8 @@ class RingPlan:
 
     def unshard(self, shards) -> torch.Tensor:
         """Exact inverse of ``shard``: a list of ``world_size`` shards -> ``(total, ...)``
-        (``(1, local_len, ...)`` shards -> ``(1, total, ...)``).
+        (``(1, local_len, ...)`` shards -> ``(1, total, ...)`` when ``local_len > 1``; with one
+        slot per rank the two layouts look alike and the packed one is returned).
 
         Pad slots are dropped. Differentiable.
         """
