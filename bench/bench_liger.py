@@ -71,7 +71,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.report import collect_machine_info, proc_memory_kb, reset_peak_rss  # noqa: E402
+from bench.report import (  # noqa: E402
+    collect_machine_info,
+    machine_tag,
+    proc_memory_kb,
+    reset_peak_rss,
+)
 from rlhf_kernels import FusedLinearCrossEntropyLoss, linear_policy_loss  # noqa: E402
 
 THREADS = 2
@@ -577,9 +582,10 @@ def main(argv: list[str]) -> int:
     tg = targets(rat)
     info = collect_machine_info()
     info["torch_threads"] = THREADS
-    tag = "cpu" if info.get("gpu") is None else info["gpu"].lower().replace(" ", "-")
     date = _dt.date.today().isoformat()
-    out = ROOT / "bench" / "results" / f"liger-{tag}{'-quick' if quick else ''}-{date}"
+    out = (
+        ROOT / "bench" / "results" / f"liger-{machine_tag(info)}{'-quick' if quick else ''}-{date}"
+    )
     report = dict(
         group="liger",
         date=date,
