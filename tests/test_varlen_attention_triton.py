@@ -37,6 +37,8 @@ CASES = [
     ("window_left_right_gqa_d64", [19, 1, 40], None, 4, 2, 64, False, (17, 1), 0.0),
     # lq = 0 with lk > 0 (those keys get zero grads), lq > lk with a window (empty rows)
     ("cross_window_softcap_mqa_d96", [9, 0, 20], [14, 6, 5], 2, 1, 96, False, (3, 2), 2.0),
+    # many short sequences and one long one: the flat schedule has unused slots at its end
+    ("skewed_causal_gqa_d32", [1] * 9 + [0, 40, 3], None, 4, 2, 32, True, (-1, -1), 0.0),
 ]
 CASE_IDS = [c[0] for c in CASES]
 
@@ -189,47 +191,82 @@ def test_rejects_float64():
 
 _AOT_SCRIPT = textwrap.dedent(
     """
-    import inspect, torch, triton
+    import inspect, json, os, re, subprocess, tempfile, torch, triton
     from triton.backends.compiler import GPUTarget
     from rlhf_kernels.ops import varlen_attention_triton as m
     DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     DATA = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
-    for dt, dim in (("fp16", 128), ("bf16", 64), ("fp32", 256)):
+    CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    stack = {}
+    for dt, dim in (("fp16", 128), ("bf16", 64), ("bf16", 128), ("fp32", 256)):
         for kern in (m._fwd_kernel, m._bwd_dkdv_kernel, m._bwd_dq_kernel, m._bwd_delta_kernel):
             names = list(inspect.signature(kern.fn).parameters)
             bm, bn, warps, stages = m._block_sizes(dim, DTYPES[dt], kern is not m._fwd_kernel)
             const = dict(GROUP=2, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, BLOCK_M=bm,
-                         BLOCK_N=bn, BLOCK_D=dim, BLOCK_T=64, HAS_DIFF=dt != "fp16",
+                         BLOCK_N=bn, BLOCK_D=dim, BLOCK_T=64, HAS_DIFF=dt != "fp16", SPLIT=1,
                          **m._dot_meta(DTYPES[dt]))
             const = {n: v for n, v in const.items() if n in names}
             sig = {}
             for n in names:
                 sig[n] = ("constexpr" if n in const else "*" + dt if n in DATA
                           else "*fp32" if n in ("LSE", "DELTA")
-                          else "*i32" if n.startswith("CU_") or n == "DIFF"
+                          else "*i32" if n.startswith("CU_") or n in ("DIFF", "SCHED")
                           else "fp32" if n in ("scale", "softcap") else "i32")
             src = triton.compiler.ASTSource(
                 kern, sig, {(names.index(n),): v for n, v in const.items()})
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                options=dict(num_warps=warps, num_stages=stages))
             assert k.metadata.shared <= 227 * 1024, (kern.__name__, dt, k.metadata.shared)
-    print("compiled")
+            if os.path.exists(CUOBJDUMP):  # register spills: the STACK bytes of the cubin
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(k.asm["cubin"]); f.flush()
+                    res = subprocess.run([CUOBJDUMP, "-res-usage", f.name],
+                                         capture_output=True, text=True).stdout
+                stack[f"{kern.fn.__name__} {dt} {dim}"] = int(re.search(r"STACK:(\\d+)", res)[1])
+    print("compiled", json.dumps(stack))
     """
 )
+
+# Spill bytes (STACK of the sm_90 cubin, Triton 3.9.0's ptxas) of the builds above (both window
+# sides, softcap, GQA 2). 64-bit bases once per block with 32-bit offsets for the tiles a program
+# keeps across its loop brought them down from (fwd / dkdv / dq) bf16 d64 0 / 216 / 0 B,
+# bf16 d128 552 / 1184 / 736 B, fp16 d128 552 / 1232 / 736 B, fp32 d256 0 / 4544 / 320 B.
+_SPILLS = {
+    "_fwd_kernel bf16 64": 0,
+    "_bwd_dkdv_kernel bf16 64": 8,
+    "_bwd_dq_kernel bf16 64": 0,
+    "_fwd_kernel bf16 128": 408,
+    "_bwd_dkdv_kernel bf16 128": 664,
+    "_bwd_dq_kernel bf16 128": 264,
+    "_fwd_kernel fp16 128": 408,
+    "_bwd_dkdv_kernel fp16 128": 656,
+    "_bwd_dq_kernel fp16 128": 264,
+    "_bwd_dkdv_kernel fp32 256": 4424,
+    "_bwd_dq_kernel fp32 256": 0,
+}
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """Lower every kernel to an H100 cubin without a GPU (catches GPU-only compile errors that
-    the interpreter accepts, and shared-memory overflows of the chosen block sizes)."""
+    the interpreter accepts, and shared-memory overflows of the chosen block sizes), and pin the
+    register spills of the bf16/fp16 builds (Triton 3.9.0's ptxas)."""
     pytest.importorskip("triton.backends.nvidia")
+    import json
+
+    import triton
+
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=900
     )
     if "ptxas" in res.stderr and "not found" in res.stderr.lower():
         pytest.skip("ptxas not available")
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+    stack = json.loads(res.stdout.split("compiled", 1)[1])
+    if triton.__version__ == "3.9.0" and stack:
+        worse = {k: (stack[k], v) for k, v in _SPILLS.items() if stack[k] > v}
+        assert not worse, f"more register spills than pinned (got, pinned): {worse}"
 
 
 # (cases at CUDA scale: several 128-wide blocks, long and empty sequences, windows that skip blocks)
@@ -282,3 +319,112 @@ def test_cuda_fp32_exact_by_default_tf32_on_request():
     finally:
         _tf32(old)
     assert exact < 2e-5 < tf32 < 5e-2, (exact, tf32)
+
+
+# ----------------------------------------------------------------------------- schedule, GQA split
+def _blocks_brute(lens_q, lens_k, diff, block, by_keys, left, right):
+    """{(b, blk): visible partner rows} by enumerating every (query, key) pair."""
+    out = {}
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        d = lk - lq if diff is None else diff[b]
+        n = lk if by_keys else lq
+        for blk in range(-(-n // block)):
+            rows = range(blk * block, min(blk * block + block, n))
+            partners = set()
+            for r in rows:
+                for p in range(lq if by_keys else lk):
+                    i, j = (p, r) if by_keys else (r, p)
+                    if (left < 0 or j >= i + d - left) and (right < 0 or j <= i + d + right):
+                        partners.add(p)
+            # the kernels' range is [first visible, last visible] of the whole block
+            out[(b, blk)] = (max(partners) - min(partners) + 1) if partners else 0
+    return out
+
+
+@pytest.mark.parametrize("by_keys", [False, True], ids=["query_blocks", "key_blocks"])
+@pytest.mark.parametrize(
+    "lens_q, lens_k, diff, window",
+    [
+        ([1] * 9 + [0, 70, 3], None, None, (-1, 0)),  # skewed causal self-attention
+        ([7, 18, 20, 4], [12, 32, 3, 0], None, (5, 2)),  # cross lengths, two-sided window
+        ([16, 16, 9], [40, 16, 33], [24, -3, 0], (-1, 0)),  # ring tiles: explicit key offsets
+    ],
+)
+def test_flat_schedule_holds_every_block_once_heaviest_first(lens_q, lens_k, diff, window, by_keys):
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    lens_k = lens_q if lens_k is None else lens_k
+    block = 16
+    dt = None if diff is None else torch.tensor(diff, dtype=torch.int32)
+    mask = vt._mask_meta(False, window)
+    n = sum(lens_k if by_keys else lens_q)
+    slots = vt._schedule_slots(n, len(lens_q), max(lens_k if by_keys else lens_q), block)
+    table = vt._build_schedule(_cu(lens_q), _cu(lens_k), dt, block, by_keys, mask, slots)
+    want = _blocks_brute(lens_q, lens_k, diff, block, by_keys, *window)
+    assert table.dtype == torch.int32 and table.shape == (slots, 2)
+    used = [tuple(r) for r in table.tolist() if r[0] >= 0]
+    assert sorted(used) == sorted(want) and len(set(used)) == len(used)
+    assert all(r == [-1, 0] for r in table[len(used) :].tolist())  # unused slots last
+    work = [want[e] for e in used]
+    assert work == sorted(work, reverse=True), work
+    # never more programs than the rectangular (batch, cdiv(max_len, block)) grid of before;
+    # with skewed lengths far fewer (18 instead of 60 in the first case)
+    rect = len(lens_q) * -(-max(lens_k if by_keys else lens_q) // block)
+    assert slots <= rect and (len(lens_q) < 12 or 3 * slots < rect), (slots, rect)
+
+
+def test_schedule_cached_per_pack_and_rebuilt_when_cu_seqlens_change():
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    cu = _cu([5, 40, 3])
+    mask = vt._mask_meta(True, (-1, -1))
+    first = vt._schedule(cu, cu, None, 16, False, mask, 6)
+    assert vt._schedule(cu, cu, None, 16, False, mask, 6) is first  # one table per pack
+    cu[1:] = _cu([40, 5, 3])[1:]  # in place: the version counter moves
+    again = vt._schedule(cu, cu, None, 16, False, mask, 6)
+    assert again is not first and again[0].tolist() == [0, 2]
+    with torch.inference_mode():
+        frozen = _cu([5, 40, 3])
+    assert vt._schedule(frozen, frozen, None, 16, False, mask, 6)[0].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_gqa_split_dkdv_matches_float64_reference(split):
+    """dK/dV with the GQA group split across programs (fp32 partials) equal the float64
+    reference as closely as the unsplit launch does."""
+    from rlhf_kernels.ops.varlen_attention_triton import (
+        varlen_attention_triton_backward,
+        varlen_attention_triton_forward,
+    )
+
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = _problem([19, 0, 33], None, 8, 2, 40)
+    args = (cu_q, cu_k, max_q, max_k, 40**-0.5, True, (-1, -1), 1.5)
+    ref = _run(_reference, q, k, v, dout, torch.float64, cu_q=cu_q, cu_k=cu_k, max_q=max_q,
+               max_k=max_k, scale=40**-0.5, causal=True, window=(-1, -1), softcap=1.5)  # fmt: skip
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, dout))
+    out, lse = varlen_attention_triton_forward(q32, k32, v32, *args)
+    errs = {}
+    for s in (1, split):
+        dq, dk, dv = varlen_attention_triton_backward(do32, q32, k32, v32, out, lse, *args,
+                                                      gqa_split=s)  # fmt: skip
+        errs[s] = [(a.double() - r).abs().max().item() for a, r in zip((dq, dk, dv), ref[2:])]
+    assert max(errs[split]) < 1e-5 and max(errs[1]) < 1e-5, errs
+    with pytest.raises(ValueError, match="gqa_split=3 must divide the GQA group size 4"):
+        varlen_attention_triton_backward(do32, q32, k32, v32, out, lse, *args, gqa_split=3)
+
+
+def test_gqa_split_rule(monkeypatch):
+    from types import SimpleNamespace
+
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132)
+    )
+    cuda = torch.device("cuda", 0)
+    assert vt._gqa_split(200, 8, 4, cuda) == 1  # 1600 programs fill 132 SMs
+    assert vt._gqa_split(16, 2, 8, cuda) == 8  # 32 -> 256 programs (every head its own)
+    assert vt._gqa_split(16, 2, 6, cuda) == 2  # only powers of two that divide the group
+    assert vt._gqa_split(40, 1, 8, cuda) == 8
+    assert vt._gqa_split(100, 1, 8, cuda) == 4  # 400 >= 264 after two doublings
+    assert vt._gqa_split(1, 1, 8, torch.device("cpu")) == 1

@@ -5,13 +5,21 @@ k/v ``(total_k, KVH, D)``, ``cu_seqlens_*`` int32 ``(batch + 1,)``, lse ``(H, to
 The semantics are those of ``varlen_attention_reference`` (bottom-right aligned causal mask,
 ``(left, right)`` sliding window, softcap, output 0 and lse ``-inf`` for a query that sees no key).
 
-* Forward: one launch for the whole pack, grid ``(batch, cdiv(max_seqlen_q, BLOCK_M), H)``;
-  programs past their sequence's end exit. Online softmax in fp32 with exp2 (scores carried in
-  log2 units); only the key blocks that the causal/window mask leaves visible to a query block
-  are visited, so no ``T x T`` matrix exists anywhere.
+* Schedule: each launch walks a flat table of ``(sequence, block)`` slots, heaviest block first
+  (most keys or queries left visible by the mask), built on the device and cached per pack
+  (:func:`_schedule`). With skewed lengths no program is empty and the longest blocks start
+  first; the table is sized by a host-side bound, so no ``cu_seqlens`` value is read back.
+* Forward: one launch for the whole pack, grid ``(slots, H)``. Online softmax in fp32 with exp2
+  (scores carried in log2 units); only the key blocks that the causal/window mask leaves visible
+  to a query block are visited, so no ``T x T`` matrix exists anywhere.
+* Addresses: the tiles a program keeps across its loop (q and out; k, v, dK and dV) use one 64-bit
+  base per block and 32-bit offsets inside the tile; the streamed tiles keep per-row 64-bit
+  offsets, which the software pipeline holds in fewer registers than a loop-carried pointer.
+  The sm_90 register spills of the bf16/fp16 builds are pinned by a test (ptxas, no GPU needed).
 * Backward: ``delta = rowsum(dO * O)`` (preprocess kernel), then a dK/dV kernel (one program per
-  key block and KV head, looping over the query heads of its GQA group and the query blocks that
-  can see the block) and a dQ kernel (one program per query block and head). No atomics: the
+  key block and KV head, summing the query heads of its GQA group; when that grid is smaller
+  than two programs per SM the group is split across programs into fp32 partials, see
+  :func:`_gqa_split`) and a dQ kernel (one program per query block and head). No atomics: the
   gradients are deterministic.
 
 Block sizes (see :func:`_block_sizes`): the head dim is padded to ``BLOCK_D = max(16,
@@ -29,6 +37,9 @@ exact fp32 products (``input_precision="ieee"``) unless
 """
 
 from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
 
 import torch
 import triton
@@ -148,34 +159,47 @@ def _diff(DIFF, b, lk, lq, HAS_DIFF: tl.constexpr):
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
+def _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF: tl.constexpr):
+    """Schedule slot of this program: ``(b, blk, q0, lq, k0, lk, diff)``; ``b < 0`` marks an
+    unused slot (the table is sized by an upper bound, so no host sync is needed)."""
+    slot = tl.program_id(0)
+    b = tl.load(SCHED + 2 * slot)
+    blk = tl.load(SCHED + 2 * slot + 1)
+    bb = tl.maximum(b, 0)
+    q0 = tl.load(CU_Q + bb)
+    lq = tl.load(CU_Q + bb + 1) - q0
+    k0 = tl.load(CU_K + bb)
+    lk = tl.load(CU_K + bb + 1) - k0
+    return b, blk, q0, lq, k0, lk, _diff(DIFF, bb, lk, lq, HAS_DIFF)
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, DIFF, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot,
-    stride_oh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
+    Q, K, V, O, LSE, CU_Q, CU_K, DIFF, SCHED, stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_ot, stride_oh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # k and v share shape and strides (contiguous copies made by the host wrapper)
-    b = tl.program_id(0)  # sequences on axis 0: CUDA caps axes 1-2 at 65535
-    start_m = tl.program_id(1) * BLOCK_M
-    h = tl.program_id(2)
-    q0 = tl.load(CU_Q + b)
-    lq = tl.load(CU_Q + b + 1) - q0
-    if start_m >= lq:
+    # grid (schedule slots, H); k and v share shape and strides (contiguous copies)
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF)
+    if b < 0:
         return
-    k0 = tl.load(CU_K + b)
-    lk = tl.load(CU_K + b + 1) - k0
-    diff = _diff(DIFF, b, lk, lq, HAS_DIFF)
+    start_m = blk * BLOCK_M
+    h = tl.program_id(1)
     kh = h // GROUP
 
-    rows = start_m + tl.arange(0, BLOCK_M)
+    # q/out: a 64-bit base once per block, 32-bit offsets inside the tile
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
-    q_tok = (q0 + rows).to(tl.int64)
+    rows = start_m + offs_m
+    row_ok = rows < lq
+    tok0 = (q0 + start_m).to(tl.int64)
     q = tl.load(
-        Q + q_tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=(rows[:, None] < lq) & d_ok, other=0.0,
+        Q + tok0 * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok, other=0.0,
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
@@ -204,12 +228,11 @@ def _fwd_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows that saw no key: acc == 0 -> out 0
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    row_ok = rows < lq
     tl.store(
-        O + q_tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        O + tok0 * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
         out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok,
     )
-    tl.store(LSE + h * stride_lh + q_tok, lse, mask=row_ok)
+    tl.store(LSE + h.to(tl.int64) * stride_lh + tok0 + offs_m, lse, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -231,43 +254,45 @@ def _bwd_delta_kernel(
         DO + t64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=mask, other=0.0
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + h * stride_lh + t64, delta, mask=toks < total)
+    tl.store(DELTA + h.to(tl.int64) * stride_lh + t64, delta, mask=toks < total)
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, DIFF, stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, DIFF, SCHED, stride_qt, stride_qh, stride_kt,
+    stride_kh, stride_lh, stride_split, scale, softcap, left, right, head_dim,
+    GROUP: tl.constexpr, SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
     HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # grid (schedule slots over key blocks, KVH * SPLIT): program (slot, kh * SPLIT + sp) sums
+    # query heads [sp * GROUP // SPLIT, (sp + 1) * GROUP // SPLIT) of kv head kh's group into
+    # DK/DV[sp] (SPLIT > 1: fp32 partials the host sums; no atomics, deterministic).
     # q/dO share strides; k/v/dk/dv share strides (contiguous); lse/delta are (H, total_q).
-    b = tl.program_id(0)
-    start_n = tl.program_id(1) * BLOCK_N
-    kh = tl.program_id(2)
-    k0 = tl.load(CU_K + b)
-    lk = tl.load(CU_K + b + 1) - k0
-    if start_n >= lk:
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF)
+    if b < 0:
         return
-    q0 = tl.load(CU_Q + b)
-    lq = tl.load(CU_Q + b + 1) - q0
-    diff = _diff(DIFF, b, lk, lq, HAS_DIFF)
+    start_n = blk * BLOCK_N
+    kh = tl.program_id(1) // SPLIT
+    sp = tl.program_id(1) % SPLIT
 
-    cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
-    kv_off = (k0 + cols).to(tl.int64)[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
+    cols = start_n + offs_n
     kv_mask = (cols[:, None] < lk) & d_ok
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    kv_off = (k0 + start_n).to(tl.int64) * stride_kt + kh * stride_kh
+    kv_tile = offs_n[:, None] * stride_kt + offs_d[None, :]
+    k = tl.load(K + kv_off + kv_tile, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off + kv_tile, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
     # (empty loops when lq == 0 or no query sees this block: dk/dv rows are stored as zeros)
     lo, hi = _query_range(start_n, lq, lk, diff, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
-    for g in range(GROUP):  # the query heads sharing this kv head: summed here, no atomics
-        h = kh * GROUP + g
+    for g in range(GROUP // SPLIT):  # this program's query heads of the group
+        h = kh * GROUP + sp * (GROUP // SPLIT) + g
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < lq
@@ -275,8 +300,8 @@ def _bwd_dkdv_kernel(
             q_off = q_tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
             q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
             do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
-            lse = tl.load(LSE + h * stride_lh + q_tok, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + h * stride_lh + q_tok, mask=row_ok, other=0.0)
+            lse = tl.load(LSE + h.to(tl.int64) * stride_lh + q_tok, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + h.to(tl.int64) * stride_lh + q_tok, mask=row_ok, other=0.0)
             s, t = _scores(
                 q, k, start_m, start_n, lq, lk, diff, left, right, scale, softcap, HAS_LEFT,
                 HAS_RIGHT, SOFTCAP, DOT_PREC, DOT_F32, BLOCK_M, BLOCK_N,
@@ -292,41 +317,39 @@ def _bwd_dkdv_kernel(
             dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PREC, DOT_F32)
 
     dk = dk * scale
-    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    out_off = sp.to(tl.int64) * stride_split + kv_off
+    tl.store(DK + out_off + kv_tile, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off + kv_tile, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, DIFF, stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, DIFF, SCHED, stride_qt, stride_qh, stride_kt,
+    stride_kh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # q/dO/dQ share strides; k/v share strides (contiguous); lse/delta are (H, total_q).
-    b = tl.program_id(0)  # sequences on axis 0: CUDA caps axes 1-2 at 65535
-    start_m = tl.program_id(1) * BLOCK_M
-    h = tl.program_id(2)
-    q0 = tl.load(CU_Q + b)
-    lq = tl.load(CU_Q + b + 1) - q0
-    if start_m >= lq:
+    # grid (schedule slots over query blocks, H); q/dO/dQ share strides; k/v share strides
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF)
+    if b < 0:
         return
-    k0 = tl.load(CU_K + b)
-    lk = tl.load(CU_K + b + 1) - k0
-    diff = _diff(DIFF, b, lk, lq, HAS_DIFF)
+    start_m = blk * BLOCK_M
+    h = tl.program_id(1)
     kh = h // GROUP
 
-    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < head_dim
-    row_ok = rows < lq
-    q_tok = (q0 + rows).to(tl.int64)
-    q_off = q_tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
-    do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok, other=0.0)
-    lse = tl.load(LSE + h * stride_lh + q_tok, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + h * stride_lh + q_tok, mask=row_ok, other=0.0)
+    row_ok = start_m + offs_m < lq
+    tok0 = (q0 + start_m).to(tl.int64)
+    q_off = tok0 * stride_qt + h * stride_qh
+    q_tile = offs_m[:, None] * stride_qt + offs_d[None, :]
+    q = tl.load(Q + q_off + q_tile, mask=row_ok[:, None] & d_ok, other=0.0)
+    do = tl.load(DO + q_off + q_tile, mask=row_ok[:, None] & d_ok, other=0.0)
+    lse = tl.load(LSE + h.to(tl.int64) * stride_lh + tok0 + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + h.to(tl.int64) * stride_lh + tok0 + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
@@ -349,7 +372,7 @@ def _bwd_dq_kernel(
         dq += _dot(ds.to(k.dtype), k, DOT_PREC, DOT_F32)
 
     dq = dq * scale
-    tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+    tl.store(DQ + q_off + q_tile, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok)
 
 
 # fmt: on
@@ -383,24 +406,110 @@ def _block_d(head_dim: int) -> int:
 _FITTING_BLOCKS: dict = {}
 
 
-def _launch(kernel, grid_fn, args, meta, blocks, device):
-    """Launch ``kernel``; on a shared-memory overflow halve the blocks (down to 16) and retry.
+def _launch(kernel, make, meta, blocks, device):
+    """Launch ``kernel`` with ``grid, args = make(BLOCK_M, BLOCK_N)``; on a shared-memory overflow
+    halve the blocks (down to 16) and retry.
 
     The blocks that fit are remembered, so the overflow is paid once per configuration.
     """
     key = (kernel.fn.__name__, str(device), blocks, tuple(sorted(meta.items())))
     bm, bn, warps, stages = _FITTING_BLOCKS.get(key, blocks)
     while True:
+        grid, args = make(bm, bn)
         try:
-            kernel[grid_fn(bm, bn)](
-                *args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages
-            )
+            kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
             _FITTING_BLOCKS[key] = (bm, bn, warps, stages)
             return
         except OutOfResources:
             if bm == 16 and bn == 16 and stages == 1:
                 raise
             bm, bn, stages = max(bm // 2, 16), max(bn // 2, 16), 1
+
+
+# ----------------------------------------------------------------------------- schedule
+# (kind, block, mask, slots, tensor ids and versions) -> (weakrefs, table); a forward's layers
+# share one cu_seqlens tensor, so the table is built once per pack and block size
+_SCHEDULES: OrderedDict = OrderedDict()
+_SCHEDULE_CACHE_SIZE = 32
+
+
+def _schedule_slots(total: int, batch: int, max_len: int, block: int) -> int:
+    """Upper bound on the blocks of a pack, known on the host without reading ``cu_seqlens``:
+    ``sum(cdiv(len, block)) <= cdiv(total, block) + batch``, and never more than the rectangular
+    ``batch * cdiv(max_len, block)`` grid."""
+    return min(triton.cdiv(total, block) + batch, batch * triton.cdiv(max_len, block))
+
+
+def _schedule(cu_q, cu_k, diff, block: int, by_keys: bool, mask: tuple, slots: int):
+    """Flat schedule ``(slots, 2)`` int32 of ``(sequence, block index)``, heaviest block first.
+
+    One entry per ``block``-row block of every sequence (query blocks, or key blocks when
+    ``by_keys``), ordered by the number of partner rows the mask leaves visible to it (the work
+    of its program), descending: with skewed lengths no program is empty and the long ones start
+    first. Slots past the last block hold ``(-1, 0)``. Built on the device (no host sync).
+    ``mask`` is ``_mask_meta``'s ``(left, right, has_left, has_right)``.
+    """
+    tensors = [t for t in (cu_q, cu_k, diff) if t is not None]
+    versions = [_version(t) for t in tensors]
+    key = (by_keys, block, mask, slots, *((id(t), v) for t, v in zip(tensors, versions)))
+    hit = _SCHEDULES.get(key) if None not in versions else None
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
+        _SCHEDULES.move_to_end(key)
+        return hit[1]
+    table = _build_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots)
+    if None not in versions:
+        _SCHEDULES[key] = ([weakref.ref(t) for t in tensors], table)
+        if len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
+            _SCHEDULES.popitem(last=False)
+    return table
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter: not cached
+        return None
+
+
+def _build_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
+    left, right, has_left, has_right = mask
+    lq, lk = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+    batch = lq.numel()
+    nblk = ((lk if by_keys else lq) + block - 1) // block
+    ends = nblk.cumsum(0)
+    slot = torch.arange(slots, device=cu_q.device)
+    b = torch.searchsorted(ends, slot, right=True)  # == batch past the last block
+    used = b < batch
+    b = b.clamp(max=batch - 1)
+    blk = slot - (ends - nblk)[b]
+    lq, lk = lq[b], lk[b]
+    d = (lk - lq) if diff is None else diff.long()[b]
+    first = blk * block
+    last = torch.minimum(first + block, lk if by_keys else lq) - 1
+    # visible partners: key j sees query i  <=>  i + d - left <= j <= i + d + right
+    if by_keys:
+        lo = (first - d - right).clamp(min=0) if has_right else torch.zeros_like(first)
+        hi = torch.minimum(last - d + left + 1, lq) if has_left else lq
+    else:
+        lo = (first + d - left).clamp(min=0) if has_left else torch.zeros_like(first)
+        hi = torch.minimum(last + d + right + 1, lk) if has_right else lk
+    work = torch.where(used, (hi - lo).clamp(min=0), -1)
+    order = torch.argsort(work, descending=True, stable=True)
+    table = torch.stack([torch.where(used, b, -1), torch.where(used, blk, 0)], 1)
+    return table[order].to(torch.int32).contiguous()
+
+
+def _gqa_split(slots: int, kv_heads: int, group: int, device: torch.device) -> int:
+    """Programs per GQA group in the dK/dV launch: 1 (each program sums all ``group`` query
+    heads) unless the grid is smaller than two programs per SM; then the group is split in
+    powers of two (fp32 partials summed on the host) until it is, or every head has its own."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    split = 1
+    while slots * kv_heads * split < 2 * sms and group % (2 * split) == 0:
+        split *= 2
+    return split
 
 
 def _mask_meta(causal: bool, window_size: tuple[int, int]) -> tuple[int, int, bool, bool]:
@@ -439,29 +548,20 @@ def varlen_attention_triton_forward(
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
-    left, right, has_left, has_right = _mask_meta(causal, window_size)
-    args = (
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        cu_seqlens_q if diff is None else diff,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
-        float(softmax_scale),
-        float(softcap),
-        left,
-        right,
-        dim,
-    )
+    mask = _mask_meta(causal, window_size)
+    left, right, has_left, has_right = mask
+
+    def make(bm, bn):
+        slots = _schedule_slots(total_q, batch, max_seqlen_q, bm)
+        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, slots)
+        args = (
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            cu_seqlens_q if diff is None else diff, sched, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), out.stride(0), out.stride(1), lse.stride(0), float(softmax_scale),
+            float(softcap), left, right, dim,
+        )  # fmt: skip
+        return (slots, heads), args
+
     meta = dict(
         GROUP=heads // k.shape[1],
         HAS_LEFT=has_left,
@@ -471,14 +571,7 @@ def varlen_attention_triton_forward(
         HAS_DIFF=diff is not None,
         BLOCK_D=_block_d(dim),
     )
-    _launch(
-        _fwd_kernel,
-        lambda bm, bn: (batch, triton.cdiv(max_seqlen_q, bm), heads),
-        args,
-        meta,
-        _block_sizes(dim, q.dtype, backward=False),
-        q.device,
-    )
+    _launch(_fwd_kernel, make, meta, _block_sizes(dim, q.dtype, backward=False), q.device)
     return out, lse
 
 
@@ -500,6 +593,7 @@ def varlen_attention_triton_backward(
     diff: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
     grad_dtype: torch.dtype | None = None,
+    gqa_split: int | None = None,
 ):
     """Backward kernel launches: ``(dq, dk, dv)`` in the shapes of q, k, v and their dtypes (or
     ``grad_dtype``).
@@ -518,7 +612,7 @@ def varlen_attention_triton_backward(
     if delta is not None:
         return _backward_kernels(
             dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, softmax_scale, causal, window_size, softcap, diff,
+            max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split,
         )  # fmt: skip
     delta = torch.empty_like(lse)
     block_t = 16 if _interpreting() else 64
@@ -538,35 +632,24 @@ def varlen_attention_triton_backward(
     )
     return _backward_kernels(
         dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, softmax_scale, causal, window_size, softcap, diff,
+        max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split,
     )  # fmt: skip
 
 
 def _backward_kernels(
     dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k, softmax_scale, causal, window_size, softcap, diff,
+    max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split=None,
 ):  # fmt: skip
     """The dK/dV and dQ launches, writing into ``dk, dv, dq``; returns ``(dq, dk, dv)``."""
     heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    total_q, total_k = q.shape[0], k.shape[0]
     batch = cu_seqlens_q.numel() - 1
-    left, right, has_left, has_right = _mask_meta(causal, window_size)
-    common = (
-        cu_seqlens_q,
-        cu_seqlens_k,
-        cu_seqlens_q if diff is None else diff,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        lse.stride(0),
-        float(softmax_scale),
-        float(softcap),
-        left,
-        right,
-        dim,
-    )
+    group = heads // kv_heads
+    mask = _mask_meta(causal, window_size)
+    left, right, has_left, has_right = mask
+    cu_diff = cu_seqlens_q if diff is None else diff
     meta = dict(
-        GROUP=heads // kv_heads,
+        GROUP=group,
         HAS_LEFT=has_left,
         HAS_RIGHT=has_right,
         SOFTCAP=softcap > 0,
@@ -575,23 +658,41 @@ def _backward_kernels(
         BLOCK_D=_block_d(dim),
     )
     blocks = _block_sizes(dim, q.dtype, backward=True)
-    _launch(
-        _bwd_dkdv_kernel,
-        lambda bm, bn: (batch, triton.cdiv(max_seqlen_k, bn), kv_heads),
-        (q, k, v, dout, lse, delta, dk, dv, *common),
-        meta,
-        blocks,
-        q.device,
+    split = gqa_split or _gqa_split(
+        _schedule_slots(total_k, batch, max_seqlen_k, blocks[1]), kv_heads, group, q.device
     )
-    _launch(
-        _bwd_dq_kernel,
-        lambda bm, bn: (batch, triton.cdiv(max_seqlen_q, bm), heads),
-        (q, k, v, dout, lse, delta, dq, *common),
-        meta,
-        blocks,
-        q.device,
-    )
-    # every token of dq/dk/dv is written: the grids span max_seqlen_* (>= every length)
+    if group % split:
+        raise ValueError(f"gqa_split={split} must divide the GQA group size {group}")
+    # split > 1: fp32 partial sums per slice of the group, (split, total_k, KVH, D)
+    gk, gv = (dk, dv) if split == 1 else (k.new_empty((split, *k.shape), dtype=torch.float32)
+                                          for _ in range(2))  # fmt: skip
+
+    def make_dkdv(bm, bn):
+        slots = _schedule_slots(total_k, batch, max_seqlen_k, bn)
+        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bn, True, mask, slots)
+        args = (
+            q, k, v, dout, lse, delta, gk, gv, cu_seqlens_q, cu_seqlens_k, cu_diff, sched,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), gk[0].numel(),
+            float(softmax_scale), float(softcap), left, right, dim,
+        )  # fmt: skip
+        return (slots, kv_heads * split), args
+
+    def make_dq(bm, bn):
+        slots = _schedule_slots(total_q, batch, max_seqlen_q, bm)
+        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, slots)
+        args = (
+            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, cu_diff, sched,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            float(softmax_scale), float(softcap), left, right, dim,
+        )  # fmt: skip
+        return (slots, heads), args
+
+    _launch(_bwd_dkdv_kernel, make_dkdv, dict(meta, SPLIT=split), blocks, q.device)
+    if split > 1:
+        dk.copy_(gk.sum(0))
+        dv.copy_(gv.sum(0))
+    _launch(_bwd_dq_kernel, make_dq, meta, blocks, q.device)
+    # every token of dq/dk/dv is written: the schedules hold every block of every sequence
     return dq, dk, dv
 
 
