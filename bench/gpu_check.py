@@ -15,8 +15,14 @@ Measures on one CUDA device, bf16, with CUDA-event timing (``triton.testing.do_b
   naive fp32 ``log_softmax`` + gather, ``F.cross_entropy`` and Liger's fused linear
   cross-entropy when liger-kernel is importable. Time and peak memory above the inputs.
 - ``gae``: B=64, T=1024 fp32, our ``gae`` on CPU (one thread) and CUDA vs a Python loop.
-- ``ring_tile``: one ring step's tile work (our Triton kernel returning lse, merged in fp32)
-  at 2 and 4 ranks' shards of a 32k pack.
+  One more 32k pack per head_dim is skewed (half the tokens in one document, the rest in
+  32-512-token documents), where a rectangular ``(batch, max_len / block)`` grid would be
+  mostly empty programs (ours schedules a flat table of blocks, heaviest first).
+- ``ring_tile``: ring attention's block work on the Triton path (``forward_block_triton`` /
+  ``backward_block_triton``: one launch per block, fp32 merge by lse) for every rank of a
+  zigzag plan over 2 and 4 ranks of a 32k pack, without communication; the slowest rank
+  against single-device attention on the whole pack divided by the world size (``*_vs_ideal``,
+  1.0 = no overhead from splitting).
 
 Writes ``bench/results/gpu-check-<gpu>-<date>.json`` and ``.md`` (hardware, versions, date).
 ``--quick`` runs small shapes (a smoke test of the script itself).
@@ -144,13 +150,17 @@ def bench_attention(quick):
         for total in totals:
             rows += _attention_case(total, dim, quick)
             torch.cuda.empty_cache()
+        rows += _attention_case(totals[1], dim, quick, skewed=True)
     return rows
 
 
-def _attention_case(total, dim, quick):
+def _attention_case(total, dim, quick, skewed=False):
     torch._dynamo.reset()  # flex recompiles per shape: keep under dynamo's recompile limit
     heads = 2048 // dim
-    lengths = _lengths(total, total // 16, total // 4, seed=total + dim)
+    if skewed:  # one document of half the pack, the rest short
+        lengths = [total // 2, *_lengths(total - total // 2, 32, 512, seed=total + dim)]
+    else:
+        lengths = _lengths(total, total // 16, total // 4, seed=total + dim)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (
         torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -180,6 +190,7 @@ def _attention_case(total, dim, quick):
         rows.append(
             dict(
                 total=total, dim=dim, heads=heads, docs=len(lengths), method=name,
+                mix="skewed" if skewed else "uneven",
                 fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
                 fwd_tflops=flops / fwd_ms / 1e9,
                 fwd_bwd_tflops=3.5 * flops / fb_ms / 1e9,
@@ -286,36 +297,88 @@ def bench_gae(quick):
 
 # ----------------------------------------------------------------------------- ring tiles
 def bench_ring_tile(quick):
-    """One rank's tile work per ring step: its query shard against one key shard (causal-
-    balanced halves), through ``varlen_attention`` returning lse, merged in fp32."""
+    """Ring attention's block work on the Triton path, rank by rank, without communication:
+    each rank's queries against every rank's keys (one Triton launch per block, fp32 merge by
+    lse), forward and backward, on a zigzag plan of a packed causal stream; against
+    single-device ``varlen_attention`` on the whole stream divided by the world size."""
     total = 4096 if quick else 32768
-    return [_ring_tile(total // world, world, quick) for world in (2, 4)]
+    return [ring_block_work(total, world, "cuda", quick) for world in (2, 4)]
 
 
-def _ring_tile(shard, world, quick):
-    heads, dim = 16, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(shard, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        for _ in range(3)
+def ring_block_work(total, world, device, quick=False, heads=16, kv_heads=4, dim=128):
+    """Per-rank time of the ring blocks (max over ranks) vs ``1 / world`` of one device's time."""
+    from types import SimpleNamespace
+
+    from rlhf_kernels.ring.blocks import backward_block_triton, forward_block_triton, segment_pairs
+    from rlhf_kernels.ring.plan import RingPlan
+
+    lengths = _lengths(total, total // 16, total // 4, seed=world)
+    cu = torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device=device)
+    plan = RingPlan.build(cu.cpu(), world)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (
+        torch.randn(total, h, dim, device=device, dtype=dtype, generator=g)
+        for h in (heads, kv_heads, kv_heads, heads)
     )
-    cu = torch.tensor([0, shard], dtype=torch.int32, device="cuda")
-    kw = dict(return_lse=True, backend="triton")
+    spec = SimpleNamespace(scale=dim**-0.5, left=-1, right=0, softcap=0.0)
+    shards = [[plan.shard(t, r) for t in (q, k, v, do)] for r in range(world)]
+    pairs = [[segment_pairs(plan, r, s, -1, 0, device) for s in range(world)] for r in range(world)]
 
-    def tile():
-        # an off-diagonal step (the whole key shard visible) merged with the diagonal (causal)
-        # tile in fp32 through the lse
-        o1, l1 = varlen_attention(q, k, v, cu, cu, shard, shard, causal=False, **kw)
-        o2, l2 = varlen_attention(q, k, v, cu, cu, shard, shard, causal=True, **kw)
-        m = torch.maximum(l1, l2)
-        a, b = (l1 - m).exp(), (l2 - m).exp()
-        wa, wb = (a / (a + b)).t()[..., None], (b / (a + b)).t()[..., None]
-        return o1.float() * wa + o2.float() * wb
+    def forward(r):
+        qr = shards[r][0]
+        o = torch.zeros(qr.shape, dtype=torch.float32, device=device)
+        lse = torch.full((heads, qr.shape[0]), float("-inf"), device=device)
+        for s in range(world):
+            forward_block_triton(spec, qr, shards[s][1], shards[s][2], pairs[r][s], o, lse)
+        return o, lse
 
-    ms = _bench(tile, quick)
-    flops = 2.0 * shard * shard * heads * dim * 2 * 1.5  # one full + one causal tile
-    print(f"ring tile world={world} shard={shard}: {ms:.3f} ms", flush=True)
-    return dict(world=world, shard=shard, heads=heads, dim=dim, ms=ms, tflops=flops / ms / 1e9)
+    def backward(r, o, lse):
+        qr, dor = shards[r][0], shards[r][3]
+        delta = (o * dor.float()).sum(-1).t().contiguous()
+        dq = torch.zeros(qr.shape, dtype=torch.float32, device=device)
+        for s in range(world):
+            dk = torch.zeros(shards[s][1].shape, dtype=torch.float32, device=device)
+            dv = torch.zeros_like(dk)
+            backward_block_triton(
+                spec, qr, shards[s][1], shards[s][2], dor, lse, delta, pairs[r][s], dq, dk, dv
+            )
+        return dq
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        varlen_attention(*leaves, cu, cu, causal=True, backend="triton").backward(do)
+
+    # the blocks agree with single-device attention (rank 0's rows: out and dq)
+    out = varlen_attention(q, k, v, cu, cu, causal=True, backend="triton")
+    step()
+    saved = [forward(r) for r in range(world)]
+    err = (saved[0][0].to(dtype).float() - plan.shard(out, 0).float()).abs().max().item()
+    dq0 = backward(0, *saved[0]).to(dtype).float()
+    err_dq = (dq0 - plan.shard(leaves[0].grad, 0).float()).abs().max().item()
+    fwd = [_bench(lambda r=r: forward(r), quick) for r in range(world)]
+    fb = [_bench(lambda r=r: backward(r, *saved[r]), quick) + f for r, f in enumerate(fwd)]
+    single_f = _bench(lambda: varlen_attention(q, k, v, cu, cu, causal=True, backend="triton"))
+
+    single_fb = _bench(step, quick)
+    flops = _causal_flops(lengths, heads, dim) / world  # one rank's share of the useful work
+    row = dict(
+        world=world, total=total, docs=len(lengths), heads=heads, kv_heads=kv_heads, dim=dim,
+        rank_fwd_ms=fwd, rank_fwd_bwd_ms=fb, single_fwd_ms=single_f, single_fwd_bwd_ms=single_fb,
+        fwd_tflops=flops / max(fwd) / 1e9, fwd_bwd_tflops=3.5 * flops / max(fb) / 1e9,
+        fwd_vs_ideal=max(fwd) * world / single_f, fwd_bwd_vs_ideal=max(fb) * world / single_fb,
+        max_err_out=err, max_err_dq=err_dq,
+    )  # fmt: skip
+    print(
+        f"ring blocks world={world} T={total}: slowest rank fwd {max(fwd):.3f} ms "
+        f"({row['fwd_vs_ideal']:.2f}x ideal), fwd+bwd {max(fb):.3f} ms "
+        f"({row['fwd_bwd_vs_ideal']:.2f}x ideal)",
+        flush=True,
+    )
+    return row
 
 
 # ----------------------------------------------------------------------------- report
@@ -359,12 +422,14 @@ def write_markdown(report, path):
         lines += [
             "## Packed causal attention (TFLOP/s; fwd+bwd counts the backward as 2.5x forward)",
             "",
-            "| head_dim | pack | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
-            "|--:|--:|---|--:|--:|--:|--:|",
+            "| head_dim | pack | docs | method | fwd ms | fwd TFLOP/s | fwd+bwd ms "
+            "| fwd+bwd TFLOP/s |",
+            "|--:|--:|---|---|--:|--:|--:|--:|",
         ]
         for r in att:
             lines.append(
-                f"| {r['dim']} | {r['total']} | {r['method']} | {r['fwd_ms']:.3f} | "
+                f"| {r['dim']} | {r['total']} | {r['docs']} {r.get('mix', '')} | {r['method']} | "
+                f"{r['fwd_ms']:.3f} | "
                 f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} |"
             )
         lines.append("")

@@ -170,3 +170,15 @@ def test_liger_bench_peers_agree(case):
     from bench import bench_liger as bl
 
     bl.check_case(case, bl.make_inputs(dict(B=2, T=16, H=8, V=64)))
+
+
+@pytest.mark.slow
+def test_gpu_check_ring_blocks_agree_with_single_device(monkeypatch):
+    """``make gpu-check``'s ring part on a tiny pack (CPU, Triton interpreter): every rank's
+    blocks run, and rank 0's out and dq equal single-device attention's."""
+    from bench import gpu_check
+
+    monkeypatch.setattr(gpu_check, "_bench", lambda fn, quick=False: (fn(), 1.0)[1])
+    row = gpu_check.ring_block_work(64, 2, "cpu", heads=2, kv_heads=1, dim=16)
+    assert row["world"] == 2 and len(row["rank_fwd_bwd_ms"]) == 2
+    assert row["max_err_out"] < 1e-5 and row["max_err_dq"] < 1e-5, row
