@@ -428,3 +428,104 @@ def test_gqa_split_rule(monkeypatch):
     assert vt._gqa_split(40, 1, 8, cuda) == 8
     assert vt._gqa_split(100, 1, 8, cuda) == 4  # 400 >= 264 after two doublings
     assert vt._gqa_split(1, 1, 8, torch.device("cpu")) == 1
+
+
+def test_autotune_picks_fastest_fitting_candidate_once(monkeypatch):
+    """``RLHF_KERNELS_AUTOTUNE=1`` on CUDA: the first launch times every candidate (skipping
+    those that overflow shared memory), keeps the fastest, and later launches reuse it."""
+    from types import SimpleNamespace
+
+    from triton.runtime.errors import OutOfResources
+
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    launches = []
+
+    class FakeKernel:
+        fn = SimpleNamespace(__name__="fake_kernel")
+
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **meta):
+                if BLOCK_N == 128:
+                    raise OutOfResources(300000, 232448, "shared memory")
+                launches.append((grid, BLOCK_M, BLOCK_N, num_warps, num_stages))
+
+            return run
+
+    fake_ms = {(64, 64, 4, 2): 3.0, (128, 64, 8, 2): 1.0, (64, 64, 4, 3): 2.0}
+
+    def fake_time(fn, reps=5):
+        fn()
+        bm, bn, warps, stages = launches[-1][1:]
+        return fake_ms[(bm, bn, warps, stages)]
+
+    monkeypatch.setattr(vt, "_time_ms", fake_time)
+    monkeypatch.setattr(vt, "_FITTING_BLOCKS", {})
+    monkeypatch.setenv("RLHF_KERNELS_AUTOTUNE", "1")
+    cuda = torch.device("cuda", 0)
+    blocks = (64, 64, 4, 3)
+    cands = vt._candidates(blocks, backward=True)
+    assert cands[0] == blocks and len(cands) == len(set(cands)) == 5
+    meta = dict(BLOCK_D=64, GROUP=1)
+
+    def make(bm, bn):
+        return (bm, 1), ()
+
+    vt._launch(FakeKernel(), make, meta, blocks, cuda, backward=True)
+    assert {lc[1:] for lc in launches} == set(fake_ms)  # every fitting candidate was timed
+    assert launches[-1] == ((128, 1), 128, 64, 8, 2)  # then the real launch with the fastest
+    launches.clear()
+    vt._launch(FakeKernel(), make, meta, blocks, cuda, backward=True)
+    assert launches == [((128, 1), 128, 64, 8, 2)]  # remembered: no second tuning
+    monkeypatch.setenv("RLHF_KERNELS_AUTOTUNE", "0")
+    assert not vt._autotune_on(cuda) and not vt._autotune_on(torch.device("cpu"))
+    # small defaults (fp32, head_dim > 128) also try halved tiles
+    small = vt._candidates((32, 32, 4, 2), backward=True)
+    assert (64, 32, 8, 2) in small and all(max(c[:2]) <= 64 for c in small)
+
+
+@pytest.mark.gpu
+def test_cuda_element_offsets_past_2_31():
+    """A pack whose element offsets pass 2**31 (16 heads x 128 dims x 1.05M tokens): the last
+    documents, addressed only through the 64-bit bases, match the reference in out and grads."""
+    heads, dim = 16, 128
+    lens = [4096] * 257 + [700, 1300]  # 2**31 / (16 * 128) = 1,048,576 tokens before the tail
+    total = sum(lens)
+    assert (total - 2000) * heads * dim > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(4)
+    )
+    cu = _cu(lens).cuda()
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = varlen_attention(*leaves, cu, cu, causal=True, backend="triton")
+    out.backward(do)
+    tail = slice(total - 2000, total)
+    small = [t[tail].detach() for t in (q, k, v, do)]
+    cu_t = _cu([700, 1300]).cuda()
+    kw = dict(cu_q=cu_t, cu_k=cu_t, max_q=1300, max_k=1300, scale=dim**-0.5, causal=True,
+              window=(-1, -1), softcap=0.0)  # fmt: skip
+    ref = _run(_reference, *[t.double() for t in small], torch.float64, **kw)
+    low = _run(_reference, *[t.double() for t in small], torch.bfloat16, **kw)
+    got = [out[tail].detach(), None] + [t.grad[tail] for t in leaves]
+    for i, name in enumerate(NAMES):
+        if name == "lse":
+            continue
+        err, torch_err = _max_err(got[i], ref[i], name), _max_err(low[i], ref[i], name)
+        assert err <= 2 * torch_err + 1e-4 * ref[i].abs().max().item(), (name, err, torch_err)
+
+
+@pytest.mark.gpu
+def test_cuda_autotune_keeps_a_candidate_and_stays_exact(monkeypatch):
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    monkeypatch.setenv("RLHF_KERNELS_AUTOTUNE", "1")
+    monkeypatch.setattr(vt, "_FITTING_BLOCKS", {})
+    case = ("causal", [1000, 1, 0, 2047, 513], None, 8, 2, 128, True, (-1, -1), 0.0)
+    _check(case, torch.bfloat16, device="cuda")
+    tuned = {k[0]: v for k, v in vt._FITTING_BLOCKS.items() if k[-1]}
+    assert set(tuned) == {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
+    for name, blocks in tuned.items():
+        default = vt._block_sizes(128, torch.bfloat16, backward=name != "_fwd_kernel")
+        assert blocks in vt._candidates(default, backward=name != "_fwd_kernel")

@@ -38,6 +38,7 @@ exact fp32 products (``input_precision="ieee"``) unless
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import OrderedDict
 
@@ -402,17 +403,78 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-# (kernel name, device, requested blocks, constexprs) -> blocks that fit in shared memory
+# (kernel name, device, requested blocks, constexprs) -> blocks that fit in shared memory (or,
+# with autotuning on, the fastest that fit)
 _FITTING_BLOCKS: dict = {}
 
+# Autotuning candidates (BLOCK_M, BLOCK_N, warps, stages): the default first, then the best of the
+# H100 sweep (bench/results/attn-sweep-*), with halved tiles where the default is already small
+# (fp32 or BLOCK_D > 128); candidates that overflow shared memory are skipped.
+_TUNE_FWD = ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2))
+_TUNE_BWD = ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 3), (128, 128, 8, 3))
 
-def _launch(kernel, make, meta, blocks, device):
+
+def _autotune_on(device: torch.device) -> bool:
+    """``RLHF_KERNELS_AUTOTUNE=1``: time the candidate blocks on the first launch of each
+    (kernel, head dim, dtype, mask flags) on a CUDA device and keep the fastest."""
+    return device.type == "cuda" and os.environ.get("RLHF_KERNELS_AUTOTUNE", "0") == "1"
+
+
+def _candidates(blocks, backward: bool) -> list[tuple[int, int, int, int]]:
+    shrink = min(blocks[0], blocks[1]) < 64
+    out = [blocks]
+    for bm, bn, warps, stages in _TUNE_BWD if backward else _TUNE_FWD:
+        if shrink:
+            bm, bn = max(bm // 2, 16), max(bn // 2, 16)
+        if (bm, bn, warps, stages) not in out:
+            out.append((bm, bn, warps, stages))
+    return out
+
+
+def _time_ms(fn, reps: int = 5) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _tune(kernel, make, meta, candidates):
+    """Fastest of ``candidates`` on this call's inputs (the kernels overwrite their outputs, so
+    repeated launches are harmless); configurations that overflow shared memory are skipped."""
+    best, best_ms = None, float("inf")
+    for bm, bn, warps, stages in candidates:
+        grid, args = make(bm, bn)
+
+        def run(bm=bm, bn=bn, warps=warps, stages=stages, grid=grid, args=args):
+            kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+        try:
+            ms = _time_ms(run)
+        except OutOfResources:
+            continue
+        if ms < best_ms:
+            best, best_ms = (bm, bn, warps, stages), ms
+    return best or candidates[0]
+
+
+def _launch(kernel, make, meta, blocks, device, backward=False):
     """Launch ``kernel`` with ``grid, args = make(BLOCK_M, BLOCK_N)``; on a shared-memory overflow
     halve the blocks (down to 16) and retry.
 
-    The blocks that fit are remembered, so the overflow is paid once per configuration.
+    The blocks that fit are remembered, so the overflow is paid once per configuration; with
+    autotuning on (:func:`_autotune_on`) the first launch picks the fastest candidate instead.
     """
-    key = (kernel.fn.__name__, str(device), blocks, tuple(sorted(meta.items())))
+    tune = _autotune_on(device)
+    key = (kernel.fn.__name__, str(device), blocks, tuple(sorted(meta.items())), tune)
+    if key not in _FITTING_BLOCKS and tune:
+        _FITTING_BLOCKS[key] = _tune(kernel, make, meta, _candidates(blocks, backward))
     bm, bn, warps, stages = _FITTING_BLOCKS.get(key, blocks)
     while True:
         grid, args = make(bm, bn)
@@ -687,11 +749,11 @@ def _backward_kernels(
         )  # fmt: skip
         return (slots, heads), args
 
-    _launch(_bwd_dkdv_kernel, make_dkdv, dict(meta, SPLIT=split), blocks, q.device)
+    _launch(_bwd_dkdv_kernel, make_dkdv, dict(meta, SPLIT=split), blocks, q.device, True)
     if split > 1:
         dk.copy_(gk.sum(0))
         dv.copy_(gv.sum(0))
-    _launch(_bwd_dq_kernel, make_dq, meta, blocks, q.device)
+    _launch(_bwd_dq_kernel, make_dq, meta, blocks, q.device, True)
     # every token of dq/dk/dv is written: the schedules hold every block of every sequence
     return dq, dk, dv
 
