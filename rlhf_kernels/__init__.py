@@ -28,6 +28,7 @@ _EXPORTS = {
     "linear_policy_loss": "rlhf_kernels.ops.linear_logprobs",
     "FusedLinearCrossEntropyLoss": "rlhf_kernels.ops.fused_linear_ce",
     "fused_linear_cross_entropy": "rlhf_kernels.ops.fused_linear_ce",
+    "CrossEntropyOutput": "rlhf_kernels.ops.fused_linear_ce",
     "gae": "rlhf_kernels.ops.gae",
     "discounted_returns": "rlhf_kernels.ops.gae",
     "group_advantages": "rlhf_kernels.ops.advantages",

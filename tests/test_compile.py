@@ -144,6 +144,14 @@ def _rl_cases():
         "cross_entropy": lambda h, w: rk.FusedLinearCrossEntropyLoss(label_smoothing=0.1)(
             w, h, lab
         ),
+        "cross_entropy_weighted_scaled": lambda h, w: (
+            rk.FusedLinearCrossEntropyLoss(
+                torch.linspace(0.5, 2.0, V),
+                label_smoothing=0.1,
+                use_token_scaling=True,
+                return_token_accuracy=True,
+            )(w, h, lab).loss
+        ),  # fmt: skip
         "policy_loss": lambda h, w: policy_loss(
             h[:, 0] - 2, old, adv, m, aggregation="seq-mean-token-sum", cu_seqlens=cu
         ),

@@ -60,3 +60,97 @@ def test_clear_errors():
         fused_linear_cross_entropy(x, w, y.view(-1))
     with pytest.raises(ValueError, match="labels must lie in"):
         fused_linear_cross_entropy(x, w, y.clamp(min=0) + 1000)
+
+
+def _torch_ce(x, w, b, y, **kw):
+    """float64 ``F.cross_entropy(F.linear(...))`` on fresh leaves: (loss, leaves, logits)."""
+    leaves = [
+        t.detach().double().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())
+    ]
+    logits = F.linear(leaves[0], leaves[1], leaves[2] if b is not None else None)
+    flat = logits.view(-1, logits.shape[-1])
+    loss = F.cross_entropy(flat, y.view(-1), ignore_index=-100, **kw)
+    return (loss.view(y.shape) if kw.get("reduction") == "none" else loss), leaves, flat
+
+
+def _backward_both(got, want):
+    weights = torch.linspace(0.5, 2, got.numel(), dtype=torch.float64).view(got.shape)
+    (got * weights.to(got.dtype)).sum().backward()
+    (want * weights).sum().backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_class_weights_match_torch(reduction, smoothing):
+    """``ce_weight`` is ``F.cross_entropy``'s ``weight`` (mean: over the summed target weights),
+    with label smoothing too; values and gradients against float64."""
+    x, w, b, y = _problem()
+    cw = torch.linspace(0.2, 3.0, w.shape[0])
+    got = FusedLinearCrossEntropyLoss(cw, label_smoothing=smoothing, reduction=reduction)(
+        w, x, y, b
+    )
+    want, leaves, _ = _torch_ce(
+        x, w, b, y, weight=cw.double(), label_smoothing=smoothing, reduction=reduction
+    )
+    _backward_both(got, want)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for a, r in zip((x, w, b), leaves):
+        torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_token_scaling_and_z_loss_match_reference(reduction):
+    """``use_token_scaling``: each token's loss (z-loss included) times its detached target
+    probability, as Liger; with class weights the mean divides by their sum."""
+    x, w, b, y = _problem()
+    cw = torch.linspace(0.5, 1.5, w.shape[0])
+    out = FusedLinearCrossEntropyLoss(
+        cw, lse_square_scale=1e-2, reduction=reduction, return_z_loss=True,
+        use_token_scaling=True,
+    )(w, x, y, b)  # fmt: skip
+    tok, leaves, logits = _torch_ce(x, w, b, y, weight=cw.double(), reduction="none")
+    keep = (y.view(-1) != -100).double()
+    lse = torch.logsumexp(logits, -1)
+    z = 1e-2 * lse.square() * keep
+    p_y = (logits.log_softmax(-1).gather(1, y.view(-1, 1).clamp(min=0))[:, 0].exp() * keep).detach()
+    tok, z = tok.view(-1) * p_y, z * p_y
+    if reduction == "none":
+        want, want_z = (tok + z).view(y.shape), z.view(y.shape)
+    elif reduction == "sum":
+        want, want_z = tok.sum() + z.sum(), z.sum()
+    else:
+        w_sum = (cw.double()[y.view(-1).clamp(min=0)] * keep).sum()
+        want, want_z = tok.sum() / w_sum + z.sum() / keep.sum(), z.sum() / keep.sum()
+    _backward_both(out.loss, want)
+    torch.testing.assert_close(out.loss.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.z_loss.double(), want_z.detach(), atol=1e-6, rtol=1e-5)
+    for a, r in zip((x, w, b), leaves):
+        torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_token_accuracy_and_predicted_tokens(reduction, softcap, monkeypatch):
+    """Argmax of the (capped) logits without ``(N, V)`` logits: predicted ids (-1 where the
+    target is ignored) and accuracy (mean over counted tokens, or per token)."""
+    from rlhf_kernels.ops import fused_linear_ce
+
+    monkeypatch.setattr(fused_linear_ce, "_PREDICT_ELEMS", 4 * 50)  # 4-row chunks
+    x, w, b, y = _problem(shape=(3, 7))
+    y.view(-1)[[1, 2]] = F.linear(x, w, b).argmax(-1).view(-1)[[1, 2]]  # some hits
+    out = fused_linear_cross_entropy(
+        x, w, y, b, reduction=reduction, softcap=softcap, return_token_accuracy=True,
+        return_predicted_tokens=True,
+    )  # fmt: skip
+    logits = F.linear(x, w, b).detach()
+    logits = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    keep = y != -100
+    pred = logits.argmax(-1).masked_fill(~keep, -1)
+    assert out.predicted_tokens.dtype == torch.long and torch.equal(out.predicted_tokens, pred)
+    hit = ((pred == y) & keep).float()
+    want = hit if reduction == "none" else hit.sum() / keep.sum()
+    torch.testing.assert_close(out.token_accuracy, want)
+    assert 0 < hit.sum() < keep.sum() and out.z_loss is None
+    torch.testing.assert_close(
+        out.loss, fused_linear_cross_entropy(x, w, y, b, reduction=reduction, softcap=softcap)
+    )

@@ -156,12 +156,12 @@ def test_cross_entropy_z_loss_matches_torch(reduction, variant):
     assert not out.z_loss.requires_grad and out.token_accuracy is None
     for o, r in zip(ours, ref):
         torch.testing.assert_close(o.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
-    # the functional form returns (loss, z_loss); the z term changes the loss
+    # the functional form returns the same CrossEntropyOutput; the z term changes the loss
     plain = fused_linear_cross_entropy(x, w, y, b, label_smoothing=smooth, softcap=cap)
-    with_z, _ = fused_linear_cross_entropy(
+    with_z = fused_linear_cross_entropy(
         x, w, y, b, label_smoothing=smooth, reduction="mean", softcap=cap,
         lse_square_scale=1e-2, return_z_loss=True,
-    )  # fmt: skip
+    ).loss  # fmt: skip
     assert with_z - plain > 1e-3
 
 
@@ -180,26 +180,26 @@ def test_z_loss_bf16_within_twice_torch_and_zero_weight():
     plain = torch_loss(x, w)
     assert abs(ours.double() - ref) <= 2 * abs(plain.double() - ref) + 1e-6
     # weight 0: the one-pass loss, and a zero z term
-    loss, z = fused_linear_cross_entropy(x, w, y, return_z_loss=True)
-    assert z.item() == 0.0
-    torch.testing.assert_close(loss, fused_linear_cross_entropy(x, w, y))
+    out = fused_linear_cross_entropy(x, w, y, return_z_loss=True)
+    assert out.z_loss.item() == 0.0
+    torch.testing.assert_close(out.loss, fused_linear_cross_entropy(x, w, y))
 
 
-def test_liger_constructor_order_and_unsupported_keywords():
+def test_liger_constructor_order_and_bad_keywords():
     # liger-kernel 0.8.5: (ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
     # softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, ...)
-    fn = FusedLinearCrossEntropyLoss(None, -1, 0.0, 0.0, "sum", 5.0, False, torch.float32)
+    cw = torch.ones(V)
+    fn = FusedLinearCrossEntropyLoss(cw, -1, 0.0, 0.0, "sum", 5.0, False, torch.float32, True, True)
     assert (fn.ignore_index, fn.reduction, fn.softcap) == (-1, "sum", 5.0)
-    for kw in (
-        dict(ce_weight=torch.ones(V)),
-        dict(use_token_scaling=True),
-        dict(return_token_accuracy=True),
-        dict(return_predicted_tokens=True),
-    ):
-        (name,) = kw
-        with pytest.raises(NotImplementedError, match=f"^{name}=.* is not supported"):
-            FusedLinearCrossEntropyLoss(**kw)
+    assert fn.ce_weight is cw and fn.use_token_scaling and fn.return_token_accuracy
+    for name in ("return_z_loss", "use_token_scaling", "return_token_accuracy"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got 1"):
+            FusedLinearCrossEntropyLoss(**{name: 1})
     h, w, _, labels = _inputs()
+    with pytest.raises(ValueError, match=rf"ce_weight must be a \({V},\) tensor"):
+        fused_linear_cross_entropy(h, w, labels, ce_weight=torch.ones(V + 1))
+    with pytest.raises(TypeError, match="ce_weight must be a floating-point tensor"):
+        fused_linear_cross_entropy(h, w, labels, ce_weight=torch.ones(V, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="softcap=3.0 with label_smoothing=0.1"):
         fused_linear_cross_entropy(h, w, labels, label_smoothing=0.1, softcap=CAP)
     with pytest.raises(ValueError, match="lse_square_scale must be >= 0"):

@@ -14,8 +14,16 @@ Label smoothing needs no logits either: with ``u = h W^T + b``,
 (Gemma 2's final logit soft-capping, ``u = c tanh(z / c)``) runs inside the fused op; with it
 that mean is no longer linear in ``h``, so soft cap and label smoothing together are refused.
 The z-loss (``lse_square_scale * lse^2`` per token, Liger's / PaLM's) needs no logits either:
-``lse = u_y - logp_y``, with ``u_y = h . W_y + b_y`` a gather and a row dot product; it takes
-the per-token op (4 matmuls) instead of the one-pass loss (3).
+``lse = u_y - logp_y``, with ``u_y = h . W_y + b_y`` a gather and a row dot product.
+
+Class weights ``ce_weight`` (``F.cross_entropy``'s ``weight``): token ``i`` counts
+``w_{y_i} (1 - e) (-logp_y) + e / V sum_v w_v (lse - u_v)``, where ``sum_v w_v u_v =
+h . (W^T w) + b . w`` is again one product; ``"mean"`` divides by the summed weight of the
+counted targets (the z-loss stays unweighted, as in Liger). ``use_token_scaling`` multiplies
+each token's loss by its detached target probability ``exp(logp_y)``. z-loss, class weights
+and token scaling take the per-token op (4 matmuls instead of 3).
+``return_token_accuracy`` / ``return_predicted_tokens`` take one more no-grad pass of
+row-chunked logits (argmax of the capped logits; memory bounded like the loss).
 """
 
 from __future__ import annotations
@@ -51,7 +59,12 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     lse_square_scale: float = 0.0,
     return_z_loss: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    *,
+    ce_weight: torch.Tensor | None = None,
+    use_token_scaling: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+) -> torch.Tensor | CrossEntropyOutput:
     """``F.cross_entropy(F.linear(_input, weight, bias), target, ...)`` without the logits.
 
     Args:
@@ -64,9 +77,16 @@ def fused_linear_cross_entropy(
             (``target``'s shape, 0 at ignored tokens).
         softcap: ``None`` or ``c > 0``: logits ``c * tanh(z / c)`` (as Liger and Gemma 2).
         lse_square_scale: z-loss weight ``s >= 0``: ``s * logsumexp(logits)^2`` is added per
-            counted token (Liger's meaning), reduced like the loss.
+            counted token (Liger's meaning), reduced like the loss (``"mean"``: over tokens).
         return_z_loss: also return that reduced z-loss term (detached, for logging).
-    Returns: float32 loss (``target``'s shape for ``"none"``), or ``(loss, z_loss)``.
+        ce_weight: optional floating ``(V,)`` class weights, ``F.cross_entropy``'s ``weight``.
+        use_token_scaling: scale each token's loss (and z-loss) by its detached target
+            probability (Liger's meaning).
+        return_token_accuracy: also return whether the argmax logit is the target (mean over
+            counted tokens; per token, 0 at ignored ones, for ``"none"``).
+        return_predicted_tokens: also return the argmax token per position (-1 at ignored ones).
+    Returns: float32 loss (``target``'s shape for ``"none"``); with any ``return_*`` flag a
+        :class:`CrossEntropyOutput` (Liger's), whose unrequested fields are None.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -87,16 +107,16 @@ def fused_linear_cross_entropy(
             f"target must have _input's leading shape {tuple(_input.shape[:-1])}, got "
             f"{tuple(getattr(target, 'shape', ()))}"
         )
+    _check_ce_weight(ce_weight, weight)
     h, y = _input.reshape(-1, _input.shape[-1]), target.reshape(-1)
     keep = y != ignore_index
     z_loss = None
-    if lse_square_scale:  # per-token log-probs, then lse = u_y - logp_y
-        logp = linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
-        y_safe = y.masked_fill(~keep, 0).clamp(0, weight.shape[0] - 1)  # bad labels: NaN logp
-        lse = (_target_logit(h, weight, y_safe, bias, softcap) - logp) * keep
-        z_tok = lse_square_scale * lse.square()
-        nll = _reduce(z_tok - logp, keep, reduction)
-        z_loss = _reduce(z_tok.detach(), keep, reduction)
+    if lse_square_scale or ce_weight is not None or use_token_scaling:
+        nll, z_loss = _per_token_loss(
+            h, weight, y, bias, keep, ignore_index, label_smoothing, reduction, softcap,
+            lse_square_scale, ce_weight, use_token_scaling,
+        )  # fmt: skip
+        label_smoothing = 0.0  # inside already
     elif reduction == "none":
         nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
     else:
@@ -113,7 +133,86 @@ def fused_linear_cross_entropy(
     if reduction == "none":
         nll = nll.view(target.shape)
         z_loss = None if z_loss is None else z_loss.view(target.shape)
-    return (nll, z_loss) if return_z_loss else nll
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return nll
+    accuracy = predicted = None
+    if return_token_accuracy or return_predicted_tokens:
+        pred = _predictions(h, weight, bias, softcap).masked_fill(~keep, -1)
+        if return_token_accuracy:
+            accuracy = _reduce((pred == y).float(), keep, reduction)
+            accuracy = accuracy.view(target.shape) if reduction == "none" else accuracy
+        if return_predicted_tokens:
+            predicted = pred.view(target.shape)
+    return CrossEntropyOutput(nll, z_loss if return_z_loss else None, accuracy, predicted)
+
+
+def _check_ce_weight(ce_weight, weight):
+    if ce_weight is None:
+        return
+    v = weight.shape[0]
+    if not isinstance(ce_weight, torch.Tensor) or ce_weight.shape != (v,):
+        got = tuple(ce_weight.shape) if isinstance(ce_weight, torch.Tensor) else type(ce_weight)
+        raise ValueError(f"ce_weight must be a ({v},) tensor (one weight per class), got {got}")
+    if not ce_weight.is_floating_point():
+        raise TypeError(f"ce_weight must be a floating-point tensor, got {ce_weight.dtype}")
+    if ce_weight.device != weight.device:
+        raise ValueError(f"ce_weight is on {ce_weight.device}, the weight on {weight.device}")
+
+
+def _per_token_loss(
+    h, w, y, b, keep, ignore_index, eps, reduction, softcap, z_scale, cw, scaling
+):  # fmt: skip
+    """Loss and z-loss, reduced, from per-token log-probs (class weights, token scaling,
+    z-loss; see the module docstring). fp32."""
+    logp = linear_logprobs(h, w, y, b, ignore_index=ignore_index, softcap=softcap)
+    y_safe = y.masked_fill(~keep, 0).clamp(0, w.shape[0] - 1)  # bad labels: NaN logp
+    need_lse = z_scale or (eps and cw is not None)
+    lse = (_target_logit(h, w, y_safe, b, softcap) - logp) * keep if need_lse else None
+    if cw is None:
+        tok = -logp
+        if eps:
+            tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none")
+        denom = keep.sum()
+    else:
+        cw = cw.float()
+        w_y = cw[y_safe] * keep
+        tok = (1.0 - eps) * w_y * -logp
+        if eps:  # e / V * (lse * sum_v w_v - sum_v w_v u_v)
+            wu = h.float() @ (w.float().T @ cw) + (0.0 if b is None else b.float() @ cw)
+            tok = tok + eps / w.shape[0] * (lse * cw.sum() - wu) * keep
+        denom = w_y.sum()
+    z_tok = z_scale * lse.square() if z_scale else torch.zeros_like(tok)
+    if scaling:  # the target probability, detached
+        scale = logp.detach().exp() * keep
+        tok, z_tok = tok * scale, z_tok * scale
+    if reduction == "none":
+        return tok + z_tok, z_tok.detach()
+    z = z_tok.sum() if reduction == "sum" else z_tok.sum() / keep.sum().clamp_min(1)
+    loss = tok.sum() if reduction == "sum" else tok.sum() / _positive(denom)
+    return loss + z, z.detach()
+
+
+def _positive(x):
+    """``x`` where it is > 0, else 1 (a mean over nothing is 0, as the unweighted loss)."""
+    return torch.where(x > 0, x, torch.ones_like(x))
+
+
+# rows of logits per chunk of the no-grad prediction pass: about 64 MiB of fp32 logits
+_PREDICT_ELEMS = 1 << 24
+
+
+@torch.no_grad()
+def _predictions(h, w, b, softcap):
+    """Argmax of the (capped) logits per row, int64 ``(N,)``, in row chunks (no ``(N, V)``)."""
+    rows = max(1, _PREDICT_ELEMS // max(1, w.shape[0]))
+    out = []
+    for i in range(0, h.shape[0], rows):
+        z = h[i : i + rows] @ w.T
+        z = z.float() if b is None else z.float() + b.float()
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        out.append(z.argmax(-1))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=h.device)
 
 
 def _reduce(tok, keep, reduction):
@@ -148,11 +247,10 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
 
     Same constructor (liger-kernel 0.8.5's keywords, in its positional order) and call
     ``forward(lin_weight, _input, target, bias=None)``; see :func:`fused_linear_cross_entropy`.
-    Supported: ``ignore_index``, ``lse_square_scale`` (z-loss), ``label_smoothing``,
-    ``reduction``, ``softcap``, ``return_z_loss`` (then a :class:`CrossEntropyOutput`, as Liger)
-    and ``accum_dtype`` (accepted; gradients are always accumulated in fp32). The others must
-    keep their defaults (``ce_weight=None``, ``use_token_scaling``, ``return_token_accuracy``,
-    ``return_predicted_tokens`` False): a NotImplementedError names the one that does not.
+    Every keyword works: ``ce_weight``, ``ignore_index``, ``lse_square_scale`` (z-loss),
+    ``label_smoothing``, ``reduction``, ``softcap``, ``use_token_scaling`` and the ``return_*``
+    flags (then a :class:`CrossEntropyOutput`, as Liger); ``accum_dtype`` is accepted (gradients
+    are always accumulated in fp32). Softcap together with label smoothing is refused.
     """
 
     def __init__(
@@ -172,29 +270,29 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        unsupported = dict(  # keyword -> (value given, whether it differs from the default)
-            ce_weight=(ce_weight, ce_weight is not None),
-            use_token_scaling=(use_token_scaling, bool(use_token_scaling)),
-            return_token_accuracy=(return_token_accuracy, bool(return_token_accuracy)),
-            return_predicted_tokens=(return_predicted_tokens, bool(return_predicted_tokens)),
-        )
-        for name, (given, changed) in unsupported.items():
-            if changed:
-                if isinstance(given, torch.Tensor):
-                    given = f"<tensor of shape {tuple(given.shape)}>"
-                raise NotImplementedError(
-                    f"{name}={given!r} is not supported by rlhf_kernels' fused linear "
-                    "cross-entropy; leave it at its default"
-                )
         if softcap is not None and not _positive_number(softcap):
             raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+        for name, flag in (
+            ("return_z_loss", return_z_loss),
+            ("use_token_scaling", use_token_scaling),
+            ("return_token_accuracy", return_token_accuracy),
+            ("return_predicted_tokens", return_predicted_tokens),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        self.ce_weight = ce_weight
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.reduction, self.softcap, self.accum_dtype = reduction, softcap, accum_dtype
         self.lse_square_scale, self.return_z_loss = lse_square_scale, return_z_loss
+        self.use_token_scaling = use_token_scaling
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, lin_weight, _input, target, bias=None):
-        out = fused_linear_cross_entropy(
+        return fused_linear_cross_entropy(
             _input, lin_weight, target, bias, self.ignore_index, self.label_smoothing,
             self.reduction, self.softcap, self.lse_square_scale, self.return_z_loss,
+            ce_weight=self.ce_weight, use_token_scaling=self.use_token_scaling,
+            return_token_accuracy=self.return_token_accuracy,
+            return_predicted_tokens=self.return_predicted_tokens,
         )  # fmt: skip
-        return CrossEntropyOutput(*out) if self.return_z_loss else out

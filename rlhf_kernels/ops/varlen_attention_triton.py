@@ -478,6 +478,8 @@ def _launch(kernel, make, meta, blocks, device, backward=False):
     bm, bn, warps, stages = _FITTING_BLOCKS.get(key, blocks)
     while True:
         grid, args = make(bm, bn)
+        if grid[0] == 0:  # nothing to schedule
+            return
         try:
             kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
             _FITTING_BLOCKS[key] = (bm, bn, warps, stages)
@@ -734,7 +736,8 @@ def _backward_kernels(
         sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bn, True, mask, slots)
         args = (
             q, k, v, dout, lse, delta, gk, gv, cu_seqlens_q, cu_seqlens_k, cu_diff, sched,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), gk[0].numel(),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            gk.stride(0) if split > 1 else 0,
             float(softmax_scale), float(softcap), left, right, dim,
         )  # fmt: skip
         return (slots, kv_heads * split), args
