@@ -271,3 +271,42 @@ def test_trainer_loss_follows_the_models_logit_transform(arch, tmp_path):
     got = CausalLMLoss(lm)(ids, torch.arange(10)[None], labels) / 9
     want = lm(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "cohere", "granite"])
+def test_startup_self_check_catches_an_unknown_logit_transform(arch, tmp_path, monkeypatch):
+    """``check_head_logits`` (run by the trainers when they load a causal LM): passes when the
+    fused head reproduces the model's logits, and names the mismatch when it does not (here:
+    ``head_logit_args`` made blind to the config, as for a transform it does not know)."""
+    import transformers
+
+    from trainers import modeling
+
+    common = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg, cls = {
+        "gemma2": (
+            lambda: transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=5.0),
+            transformers.Gemma2ForCausalLM,
+        ),
+        "cohere": (lambda: transformers.CohereConfig(**common, logit_scale=0.5), None),
+        "granite": (lambda: transformers.GraniteConfig(**common, logits_scaling=4.0), None),
+    }[arch]
+    cls = cls or {"cohere": transformers.CohereForCausalLM}.get(
+        arch, transformers.GraniteForCausalLM
+    )
+    torch.manual_seed(0)
+    model = cls(cfg())
+    with torch.no_grad():  # logits of real magnitude (about +-20), where the transform shows
+        model.get_output_embeddings().weight.mul_(60.0)
+    model.save_pretrained(tmp_path)
+    lm = cls.from_pretrained(tmp_path, attn_implementation="eager")
+    assert modeling.check_head_logits(lm) < 1e-3
+    monkeypatch.setattr(
+        modeling, "head_logit_args", lambda lm, temperature=1.0: dict(temperature=1.0, softcap=None)
+    )
+    with pytest.raises(ValueError, match="does not reproduce .*ForCausalLM's own log-probs"):
+        modeling.check_head_logits(lm)

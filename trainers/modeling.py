@@ -57,6 +57,47 @@ def head_logit_args(lm: nn.Module, temperature: float = 1.0) -> dict:
     )
 
 
+@torch.no_grad()
+def check_head_logits(lm: nn.Module, tokens: int = 4) -> float:
+    """Start-up self-check: the fused lm_head with :func:`head_logit_args` must reproduce the
+    model's own log-probs on a few tokens, else the trainers would score other logits than the
+    model's (a model that transforms its logits in a way ``head_logit_args`` does not know).
+
+    Runs the whole model (its own ``forward``, logits included) and the body alone on
+    ``tokens`` ids, and compares the log-probs of the most and least likely next token. Returns
+    the largest difference; raises ValueError above ``tol = c * (1 + max |logit|)``, with ``c``
+    1e-4 for fp32 and 2^-6 for bf16/fp16 (a few roundings of a logit in that dtype). Catches
+    transforms that change logits of real magnitude (a soft cap, a scale); on a model whose
+    logits are all tiny a soft cap is invisible and passes.
+    """
+    from rlhf_kernels.ops.linear_logprobs import linear_logprobs
+
+    head = lm.get_output_embeddings()
+    device = head.weight.device
+    n = min(tokens, head.weight.shape[0])
+    ids = torch.arange(1, n + 1, device=device)[None] % head.weight.shape[0]
+    pos = torch.arange(n, device=device)[None]
+    z = lm(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()  # (n, V)
+    hidden = _hidden(lm, ids, pos, None, {})[0]
+    labels = torch.cat([z.argmax(-1), z.argmin(-1)])
+    ref = z.log_softmax(-1).repeat(2, 1).gather(1, labels[:, None])[:, 0]
+    ours = linear_logprobs(
+        hidden.repeat(2, 1), head.weight, labels, head.bias, **head_logit_args(lm)
+    ).float()
+    diff = (ours - ref).abs().max().item()
+    c = 1e-4 if head.weight.dtype == torch.float32 else 2.0**-6
+    tol = c * (1.0 + z.abs().max().item())
+    if not diff <= tol:
+        raise ValueError(
+            f"the fused lm_head does not reproduce {type(lm).__name__}'s own log-probs: max "
+            f"|difference| {diff:.3g} > {tol:.3g} on {n} tokens. The model changes its logits "
+            "after lm_head in a way rlhf_kernels does not read from its config (it knows "
+            "final_logit_softcapping, logit_scale, logits_scaling, lm_head_multiplier); the "
+            "trainers would train on other logits than the model's"
+        )
+    return diff
+
+
 def _register_external(module: nn.Module, params) -> None:
     try:
         from deepspeed.zero import register_external_parameter

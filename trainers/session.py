@@ -244,9 +244,18 @@ class Session:
         return model
 
     def load_causal_lm(self):
+        """The policy / reference model; its fused lm_head is checked against its own logits
+        (:func:`trainers.modeling.check_head_logits`) before any training."""
         from transformers import AutoModelForCausalLM
 
-        return self._from_pretrained(AutoModelForCausalLM)
+        from trainers.modeling import check_head_logits
+
+        model = self._from_pretrained(AutoModelForCausalLM)
+        try:
+            check_head_logits(model)
+        except ValueError as e:
+            common.fail(f"--model {self.model_path}: {e}")
+        return model
 
     def load_score_model(self, path: str | None = None):
         """``*ForSequenceClassification`` (one label) from a causal LM or reward-model folder.
