@@ -108,17 +108,24 @@ def as_cu_seqlens(cu_seqlens, device: torch.device, name: str = "cu_seqlens"):
     )
 
 
-def check_mask(mask: torch.Tensor | None, name: str = "mask") -> None:
-    """ValueError unless every value of a numeric ``mask`` is 0 or 1 (bool masks pass).
+def check_mask(mask: torch.Tensor | None, name: str = "mask") -> torch.Tensor | None:
+    """ValueError unless every value of a numeric ``mask`` is 0 or 1 (bool masks pass); returns
+    the mask to use.
 
-    A mask of 2 would silently act as a weight. The check reads the mask (a host sync); it is
-    skipped while torch.compile traces (a data-dependent branch there would break the graph)."""
+    A mask of 2 would silently act as a weight. The check reads the mask (a host sync). While
+    torch.compile traces, a data-dependent branch would break the graph, so the check runs at run
+    time inside the ``rlhf_kernels::checked_mask`` op, whose output (a copy of the mask) the
+    caller must use in place of ``mask`` for the check to stay in the graph."""
     if mask is None:
-        return
+        return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
-    if mask.dtype == torch.bool or torch.compiler.is_compiling():
-        return
+    if mask.dtype == torch.bool:
+        return mask
+    if torch.compiler.is_compiling():
+        from rlhf_kernels.ops.compiled import checked_mask
+
+        return checked_mask(mask, name)
     if mask.is_complex():
         raise TypeError(f"{name} must be bool or real numeric, got {mask.dtype}")
     bad = (mask != 0) & (mask != 1)
@@ -128,3 +135,4 @@ def check_mask(mask: torch.Tensor | None, name: str = "mask") -> None:
             f"{name} values must be 0 or 1 (a token counts or not), got {int(bad.sum())} "
             f"other value(s): {vals}; pass weights separately, not in the mask"
         )
+    return mask

@@ -203,3 +203,42 @@ def test_rl_ops_compiled_bad_input_still_raises():
     f = _compiled(lambda x: rk.gae(x, x, gamma=1.0, lam=1.0, cu_seqlens=cu_bad)[0])
     with pytest.raises(Exception, match="non-decreasing"):
         f(x)
+
+
+def test_compiled_nll_loss_is_one_pass_skips_pads_and_checks_the_mask(monkeypatch):
+    """Under torch.compile ``linear_nll_loss`` keeps eager's one pass (gradients made in the
+    forward: 1 logits block per token chunk, none in backward), skips pad rows (masked out)
+    at run time, and still refuses a mask value that is not 0/1 (before: all three were off)."""
+    import rlhf_kernels as rk
+    from rlhf_kernels.ops import linear_logprobs as mod
+
+    g = torch.Generator().manual_seed(5)
+    h0 = torch.randn(4, 10, H, generator=g)
+    w0 = torch.randn(V, H, generator=g) * 0.3
+    lab = torch.randint(0, V, (4, 10), generator=g)
+    mask = torch.ones(4, 10)
+    mask[1:, 6:] = 0  # pads
+    rows = []
+    real = mod._block
+    monkeypatch.setattr(
+        mod,
+        "_block",
+        lambda buf, hc, *a, **k: (rows.append(hc.shape[0]), real(buf, hc, *a, **k))[1],
+    )
+    f = lambda h, w, m: rk.linear_nll_loss(h, w, lab, m)  # noqa: E731
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(h0.clone().requires_grad_(), w0.clone(), mask)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    results = []
+    for fn in (f, _compiled(f)):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        rows.clear()
+        loss = fn(h, w, mask)
+        loss.backward()
+        assert sum(rows) == int(mask.sum()), rows  # only counted rows, one block pass in all
+        results.append((loss.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (results[1][1][1:, 6:] == 0).all()
+    with pytest.raises(Exception, match="mask values must be 0 or 1"):
+        _compiled(f)(h0.clone().requires_grad_(), w0.clone(), mask * 2)

@@ -20,6 +20,9 @@ bad input still raises, before any work.
   mask (data-dependent lengths).
 - ``rlhf_kernels::linear_logprobs_fwd`` / ``_bwd`` -> the fused lm_head + log-prob blocks
   (``(logp, entropy, lse)`` / ``(dhidden, dweight, dbias)``).
+- ``rlhf_kernels::linear_nll_fwd`` -> ``linear_nll_loss``'s loss with its gradients made in
+  the forward (3 matmuls, pad rows skipped at run time), as in eager mode.
+- ``rlhf_kernels::checked_mask`` -> a mask after its 0/1 check (run time).
 - ``rlhf_kernels::safe_labels`` -> labels clamped for gathering, after the range check.
 - ``rlhf_kernels::segment_ids`` -> the sequence index of every packed token (validates
   ``cu_seqlens``); the sequence aggregations and GAE's segment ends are built from it.
@@ -300,6 +303,65 @@ def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
 @segment_ids.register_fake
 def _(cu_seqlens, total):
     return cu_seqlens.new_empty(total, dtype=torch.int64)
+
+
+@torch.library.custom_op("rlhf_kernels::checked_mask", mutates_args=())
+def checked_mask(mask: Tensor, name: str) -> Tensor:
+    """``_checks.check_mask`` at run time (0/1 values); a copy of ``mask`` (outputs of an op may
+    not alias its inputs)."""
+    from rlhf_kernels._checks import check_mask
+
+    check_mask(mask, name)
+    return mask.clone()
+
+
+@checked_mask.register_fake
+def _(mask, name):
+    return torch.empty_like(mask)
+
+
+@torch.library.custom_op("rlhf_kernels::linear_nll_fwd", mutates_args=())
+def linear_nll_fwd(
+    h: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    safe: Tensor,
+    wt: Tensor,
+    temperature: float,
+    softcap: float | None,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``-sum(wt * logp)`` and its gradients ``(dhidden, dweight, dbias)`` made in the forward
+    (one pass, 3 matmuls; rows with ``wt == 0`` skip the matmuls); an input whose ``needs``
+    entry is False gets an empty gradient."""
+    from rlhf_kernels.ops import linear_logprobs as mod
+
+    with device_guard(h):
+        loss, dh, dw, db = mod._nll_with_grads(h, w, b, safe, wt, temperature, softcap, needs)
+    return loss, *(h.new_empty(0) if g is None else g for g in (dh, dw, db))
+
+
+@linear_nll_fwd.register_fake
+def _(h, w, b, safe, wt, temperature, softcap, needs):
+    dh, dw = (torch.empty_like(t) if n else h.new_empty(0) for t, n in zip((h, w), needs))
+    db = torch.empty_like(b) if b is not None and needs[2] else h.new_empty(0)
+    return h.new_empty((), dtype=torch.float32), dh, dw, db
+
+
+def _nll_setup(ctx, inputs, output):
+    ctx.needs = inputs[-1]
+    ctx.save_for_backward(*output[1:])
+
+
+def _nll_backward(ctx, g, g_dh, g_dw, g_db):
+    dh, dw, db = ctx.saved_tensors
+    grads = [d * g.to(d.dtype) if n else None for d, n in zip((dh, dw, db), ctx.needs)]
+    return *grads, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "rlhf_kernels::linear_nll_fwd", _nll_backward, setup_context=_nll_setup
+)
 
 
 @torch.library.custom_op("rlhf_kernels::safe_labels", mutates_args=())

@@ -455,65 +455,12 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, b, labels, tau, tc, token_loss, cap):
-        inv_tau = 1.0 / tau
-        T, H = h.shape
-        V = w.shape[0]
-        b_s = _scaled_bias(b, inv_tau, cap)
         ng = ctx.needs_input_grad  # grad mode and requires_grad, as seen by autograd
         needs = (ng[0], ng[1], b is not None and ng[2])
-        # dhidden rows are final after their chunk (whole vocabulary per block): input dtype
-        dh = torch.empty_like(h) if needs[0] else None
-        _, dw, db = _new_grads(h, w, (False, needs[1], needs[2]))
-        acc = None
-        if dw is not None:  # fp32 accumulator (in place for fp32 weights)
-            acc = dw.zero_() if w.dtype == torch.float32 else torch.zeros(V, H, device=h.device)
-        fast = _use_triton(h) and cap is None  # soft cap: torch passes
-        buf_u = torch.empty(min(tc, T) * V, dtype=torch.float32, device=h.device)
-        # dU: written by the Triton pass in the matmul dtype, or computed in place in fp32
-        buf_p = torch.empty(buf_u.numel(), dtype=h.dtype, device=h.device) if fast else None
-        buf_f = None if cap is None else torch.empty_like(buf_u)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        with device_guard(h):
-            for t0 in range(0, T, tc):
-                hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
-                sl = slice(t0, t0 + hc.shape[0])
-                u = _block(buf_u, hc, w, b_s, inv_tau, cap=cap)
-                fac = (
-                    None
-                    if cap is None or not any(needs)
-                    else _cap_factor(buf_f, u, None, inv_tau, cap)
-                )
-                logp, lse, p_sum = _chunk_logp(u, lab, fast)
-                logp.requires_grad_(any(needs))
-                with torch.enable_grad():
-                    part = token_loss(logp, sl)
-                loss += part.detach().float()
-                if not any(needs):
-                    continue
-                (g_lp,) = torch.autograd.grad(part, logp)
-                g_lp = (g_lp.float() * inv_tau).contiguous()
-                if fast:
-                    g = _view(buf_p, u)
-                    _grad_kernel[(u.shape[0],)](
-                        u, u.stride(0), g, g.stride(0), V, lab, g_lp, g_lp, g_lp, lse,
-                        HAS_ENT=False, HAS_LSE=True, BLOCK=_row_block(V),
-                    )  # fmt: skip
-                else:  # u holds exp(u - max) here
-                    g = u.mul_((-g_lp / p_sum)[:, None])  # -g_lp * softmax / tau
-                    g.scatter_add_(1, lab[:, None], g_lp[:, None])
-                    if fac is not None:
-                        g.mul_(fac)
-                if db is not None:
-                    db += g.sum(0, dtype=torch.float32)
-                gd = g if g.dtype == h.dtype else g.to(h.dtype)
-                if dh is not None:
-                    torch.mm(gd, w, out=dh[sl])
-                _accumulate(gd, hc, w, None, acc)
-        if dw is not None and w.dtype != torch.float32:
-            dw.copy_(acc)
+        loss, *grads = _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs)
         # a plain attribute, not save_for_backward: backward hands these very tensors to
         # autograd (scaled in place), which can then keep them as .grad without a copy
-        ctx.grads = list(_cast_grads(dh, dw, db, h, b))
+        ctx.grads = grads
         return loss
 
     @staticmethod
@@ -528,6 +475,97 @@ class _FusedLinearLoss(torch.autograd.Function):
         out = tuple(None if t is None else t.mul_(g.to(t.dtype)) for t in grads)
         del grads
         return out + (None,) * 5
+
+
+def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, token_grad=None):
+    """``_FusedLinearLoss``'s forward: ``(loss, dh, dw, db)`` with the gradients (of the inputs
+    whose ``needs`` entry is True, else None) made chunk by chunk in the same pass.
+    ``token_grad(sl)``: ``d token_loss / d logp`` of rows ``sl`` when known in closed form (no
+    autograd on the chunk, which a custom op's body could not record)."""
+    inv_tau = 1.0 / tau
+    T, H = h.shape
+    V = w.shape[0]
+    b_s = _scaled_bias(b, inv_tau, cap)
+    # dhidden rows are final after their chunk (whole vocabulary per block): input dtype
+    dh = torch.empty_like(h) if needs[0] else None
+    _, dw, db = _new_grads(h, w, (False, needs[1], needs[2]))
+    acc = None
+    if dw is not None:  # fp32 accumulator (in place for fp32 weights)
+        acc = dw.zero_() if w.dtype == torch.float32 else torch.zeros(V, H, device=h.device)
+    fast = _use_triton(h) and cap is None  # soft cap: torch passes
+    buf_u = torch.empty(min(tc, T) * V, dtype=torch.float32, device=h.device)
+    # dU: written by the Triton pass in the matmul dtype, or computed in place in fp32
+    buf_p = torch.empty(buf_u.numel(), dtype=h.dtype, device=h.device) if fast else None
+    buf_f = None if cap is None else torch.empty_like(buf_u)
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    with device_guard(h):
+        for t0 in range(0, T, tc):
+            hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
+            sl = slice(t0, t0 + hc.shape[0])
+            u = _block(buf_u, hc, w, b_s, inv_tau, cap=cap)
+            fac = (
+                None if cap is None or not any(needs) else _cap_factor(buf_f, u, None, inv_tau, cap)
+            )
+            logp, lse, p_sum = _chunk_logp(u, lab, fast)
+            logp.requires_grad_(any(needs) and token_grad is None)
+            with torch.enable_grad():
+                part = token_loss(logp, sl)
+            loss += part.detach().float()
+            if not any(needs):
+                continue
+            if token_grad is None:
+                (g_lp,) = torch.autograd.grad(part, logp)
+            else:
+                g_lp = token_grad(sl)
+            g_lp = (g_lp.float() * inv_tau).contiguous()
+            if fast:
+                g = _view(buf_p, u)
+                _grad_kernel[(u.shape[0],)](
+                    u, u.stride(0), g, g.stride(0), V, lab, g_lp, g_lp, g_lp, lse,
+                    HAS_ENT=False, HAS_LSE=True, BLOCK=_row_block(V),
+                )  # fmt: skip
+            else:  # u holds exp(u - max) here
+                g = u.mul_((-g_lp / p_sum)[:, None])  # -g_lp * softmax / tau
+                g.scatter_add_(1, lab[:, None], g_lp[:, None])
+                if fac is not None:
+                    g.mul_(fac)
+            if db is not None:
+                db += g.sum(0, dtype=torch.float32)
+            gd = g if g.dtype == h.dtype else g.to(h.dtype)
+            if dh is not None:
+                torch.mm(gd, w, out=dh[sl])
+            _accumulate(gd, hc, w, None, acc)
+    if dw is not None and w.dtype != torch.float32:
+        dw.copy_(acc)
+    return (loss, *_cast_grads(dh, dw, db, h, b))
+
+
+def _nll_with_grads(h, w, b, lab, wt, temperature, softcap, needs):
+    """``(-sum(wt * logp), dh, dw, db)`` with the gradients made in the forward; rows with
+    ``wt == 0`` skip the matmuls (their dh is 0). The body of ``linear_nll_loss`` under
+    torch.compile (``rlhf_kernels::linear_nll_fwd``), where the row selection is opaque."""
+    T, H = h.shape
+    V, cap, tau = w.shape[0], None if softcap is None else float(softcap), float(temperature)
+    keep = (wt != 0).nonzero().squeeze(1)
+    part = keep.numel() < T
+    hh, ll, ww = (t.index_select(0, keep) for t in (h, lab, wt)) if part else (h, lab, wt)
+    n, cpu = hh.shape[0], h.device.type == "cpu"
+    one_pass, tc = _fits_one_pass(n, H, V, cpu)
+    if one_pass:
+        token_loss = lambda logp, sl: -(ww[sl] * logp).sum()  # noqa: E731
+        token_grad = lambda sl: -ww[sl]  # noqa: E731
+        loss, dh, dw, db = _fused_loss(hh, w, b, ll, tau, tc, token_loss, cap, needs, token_grad)
+    else:  # vocabulary too large for one block: blocks, then the backward with -wt
+        tc, vc = _chunk_sizes(n, H, V, cpu)
+        b_s = _scaled_bias(b, 1.0 / tau, cap)
+        logp, ent, lse = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap)
+        loss = -(ww * logp).sum()
+        g_lp = -ww.float()
+        grads = _backward(hh, w, b_s, ll, 1.0 / tau, tc, vc, lse, ent, g_lp, None, needs, cap)
+        dh, dw, db = _cast_grads(*grads, hh, b)
+    if dh is not None and part:
+        dh = h.new_zeros(h.shape).index_copy_(0, keep, dh)
+    return loss.float(), dh, dw, db
 
 
 def _chunk_logp(u, lab, fast):
@@ -717,7 +755,7 @@ def linear_nll_loss(
         raise ValueError(
             f"mask must have labels' shape {tuple(labels.shape)}, got {tuple(mask.shape)}"
         )
-    check_mask(mask)
+    mask = check_mask(mask)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     T, V = hidden.shape[0], weight.shape[0]
     lab, ignored, bad = mask_labels(labels, V, ignore_index)
@@ -836,15 +874,23 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss, softcap
     for gatherable labels ``lab``: one pass with gradients made in the forward when the
     vocabulary fits one block, else ``linear_logprobs`` + autograd; forward only without grad."""
     T, H = hidden.shape
-    if token_loss is None:
+    nll = token_loss is None
+    if nll:
         token_loss = lambda logp, sl: -(wt[sl] * logp).sum()
     compiling = torch.compiler.is_compiling()
     if not _grad_wanted(hidden, weight, bias) and not compiling:  # forward only, nothing saved
         cap = None if softcap is None else float(softcap)
         logp = _logprobs_no_grad(hidden, weight, lab, bias, temperature, cap)
         return token_loss(logp, slice(0, T))
+    if compiling and nll:  # traced: one opaque op, gradients made in its forward
+        from rlhf_kernels.ops.compiled import linear_nll_fwd
+
+        grad = torch.is_grad_enabled()
+        needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+        cap = None if softcap is None else float(softcap)
+        return linear_nll_fwd(hidden, weight, bias, lab, wt, float(temperature), cap, needs)[0]
     one_pass, tc = _fits_one_pass(T, H, weight.shape[0], hidden.device.type == "cpu")
-    if one_pass and not compiling:  # traced: the linear_logprobs custom op below (4 matmuls)
+    if one_pass and not compiling:  # traced policy losses: the linear_logprobs op (4 matmuls)
         cap = None if softcap is None else float(softcap)
         tau = float(temperature)
         return _FusedLinearLoss.apply(hidden, weight, bias, lab, tau, tc, token_loss, cap)
