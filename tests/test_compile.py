@@ -242,3 +242,19 @@ def test_compiled_nll_loss_is_one_pass_skips_pads_and_checks_the_mask(monkeypatc
     assert (results[1][1][1:, 6:] == 0).all()
     with pytest.raises(Exception, match="mask values must be 0 or 1"):
         _compiled(f)(h0.clone().requires_grad_(), w0.clone(), mask * 2)
+
+
+def test_compiled_policy_loss_and_whiten_still_check_the_mask():
+    from rlhf_kernels.ops.advantages import whiten
+    from rlhf_kernels.ops.losses import policy_loss
+
+    x = torch.randn(3, 5)
+    bad = torch.ones(3, 5)
+    bad[0, 0] = 2.0
+    for fn in (
+        lambda x, m: policy_loss(x, x.detach(), x.detach(), m),
+        lambda x, m: whiten(x, m),
+    ):
+        torch.testing.assert_close(_compiled(fn)(x, bad.clamp(max=1)), fn(x, bad.clamp(max=1)))
+        with pytest.raises(Exception, match="mask values must be 0 or 1"):
+            _compiled(fn)(x, bad)

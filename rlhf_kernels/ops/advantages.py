@@ -87,8 +87,7 @@ def whiten(
     else:
         if mask.shape != x.shape:
             raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
-        check_mask(mask)
-        m = mask.to(x.dtype)
+        m = check_mask(mask).to(x.dtype)
     n = m.sum()
     mean = (x * m).sum() / n.clamp_min(1)
     centred = x - mean

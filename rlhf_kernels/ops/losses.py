@@ -74,7 +74,7 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
         raise ValueError(
             f"mask must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(mask.shape)}"
         )
-    check_mask(mask)
+    mask = check_mask(mask)
     if cu_seqlens is not None:
         if ref.dim() != 1:
             raise ValueError(

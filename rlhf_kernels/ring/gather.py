@@ -121,7 +121,7 @@ def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> tor
             f"values and mask must be tensors, got {type(values).__name__} and "
             f"{type(mask).__name__}"
         )
-    check_mask(mask)
+    mask = check_mask(mask)
     # count in float64 and sum in fp32: an fp16 count overflows at 65k tokens, bf16 rounds at 257
     count = torch.broadcast_to(mask, values.shape).detach().sum(dtype=torch.float64)
     dist.all_reduce(count, group=group)
