@@ -369,7 +369,9 @@ def ring_block_work(total, world, device, quick=False, heads=16, kv_heads=4, dim
     err_dq = (dq0 - plan.shard(leaves[0].grad, 0).float()).abs().max().item()
     fwd = [_bench(lambda r=r: forward(r), quick) for r in range(world)]
     fb = [_bench(lambda r=r: backward(r, *saved[r]), quick) + f for r, f in enumerate(fwd)]
-    single_f = _bench(lambda: varlen_attention(q, k, v, cu, cu, causal=True, backend="triton"))
+    single_f = _bench(
+        lambda: varlen_attention(q, k, v, cu, cu, causal=True, backend="triton"), quick
+    )
 
     single_fb = _bench(step, quick)
     flops = _causal_flops(lengths, heads, dim) / world  # one rank's share of the useful work

@@ -6,10 +6,11 @@ The semantics are those of ``varlen_attention_reference`` (bottom-right aligned 
 ``(left, right)`` sliding window, softcap, output 0 and lse ``-inf`` for a query that sees no key).
 
 * Schedule: each launch walks a flat table of ``(sequence, block)`` slots, heaviest block first
-  (most keys or queries left visible by the mask), built on the device and cached per pack
-  (:func:`_schedule`). With skewed lengths no program is empty and the longest blocks start
-  first; the table is sized by a host-side bound, so no ``cu_seqlens`` value is read back.
-* Forward: one launch for the whole pack, grid ``(slots, H)``. Online softmax in fp32 with exp2
+  (most keys or queries left visible by the mask), built on the device at every launch
+  (:func:`_schedule`). The 1-D grid is slots x heads with the heads inner, so every head of the
+  heaviest block starts first and no program is empty with skewed lengths; the table is sized
+  by a host-side bound, so no ``cu_seqlens`` value is read back.
+* Forward: one launch for the whole pack, grid ``slots * H``. Online softmax in fp32 with exp2
   (scores carried in log2 units); only the key blocks that the causal/window mask leaves visible
   to a query block are visited, so no ``T x T`` matrix exists anywhere.
 * Addresses: the tiles a program keeps across its loop (q and out; k, v, dK and dV) use one 64-bit
@@ -39,8 +40,6 @@ exact fp32 products (``input_precision="ieee"``) unless
 from __future__ import annotations
 
 import os
-import weakref
-from collections import OrderedDict
 
 import torch
 import triton
@@ -160,10 +159,9 @@ def _diff(DIFF, b, lk, lq, HAS_DIFF: tl.constexpr):
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF: tl.constexpr):
-    """Schedule slot of this program: ``(b, blk, q0, lq, k0, lk, diff)``; ``b < 0`` marks an
-    unused slot (the table is sized by an upper bound, so no host sync is needed)."""
-    slot = tl.program_id(0)
+def _slot(SCHED, CU_Q, CU_K, DIFF, slot, HAS_DIFF: tl.constexpr):
+    """Schedule slot ``slot``: ``(b, blk, q0, lq, k0, lk, diff)``; ``b < 0`` marks an unused
+    slot (the table is sized by an upper bound, so no host sync is needed)."""
     b = tl.load(SCHED + 2 * slot)
     blk = tl.load(SCHED + 2 * slot + 1)
     bb = tl.maximum(b, 0)
@@ -176,18 +174,21 @@ def _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, DIFF, SCHED, stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_ot, stride_oh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
+    Q, K, V, O, LSE, CU_Q, CU_K, DIFF, SCHED, n_heads, stride_qt, stride_qh, stride_kt,
+    stride_kh, stride_ot, stride_oh, stride_lh, scale, softcap, left, right, head_dim,
+    GROUP: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # grid (schedule slots, H); k and v share shape and strides (contiguous copies)
-    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF)
+    # 1-D grid of slots x heads, heads inner: every head of the heaviest slot starts first.
+    # k and v share shape and strides (contiguous copies)
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
     if b < 0:
         return
     start_m = blk * BLOCK_M
-    h = tl.program_id(1)
     kh = h // GROUP
 
     # q/out: a 64-bit base once per block, 32-bit offsets inside the tile
@@ -260,22 +261,24 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, DIFF, SCHED, stride_qt, stride_qh, stride_kt,
-    stride_kh, stride_lh, stride_split, scale, softcap, left, right, head_dim,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, DIFF, SCHED, n_heads, stride_qt, stride_qh,
+    stride_kt, stride_kh, stride_lh, stride_split, scale, softcap, left, right, head_dim,
     GROUP: tl.constexpr, SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
     HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # grid (schedule slots over key blocks, KVH * SPLIT): program (slot, kh * SPLIT + sp) sums
-    # query heads [sp * GROUP // SPLIT, (sp + 1) * GROUP // SPLIT) of kv head kh's group into
-    # DK/DV[sp] (SPLIT > 1: fp32 partials the host sums; no atomics, deterministic).
+    # 1-D grid of key-block slots x (KVH * SPLIT), the latter inner: program (slot, kh * SPLIT
+    # + sp) sums query heads [sp * GROUP // SPLIT, (sp + 1) * GROUP // SPLIT) of kv head kh's
+    # group into DK/DV[sp] (SPLIT > 1: fp32 partials the host sums; no atomics, deterministic).
     # q/dO share strides; k/v/dk/dv share strides (contiguous); lse/delta are (H, total_q).
-    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF)
+    pid = tl.program_id(0)
+    hs = pid % n_heads
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
     if b < 0:
         return
     start_n = blk * BLOCK_N
-    kh = tl.program_id(1) // SPLIT
-    sp = tl.program_id(1) % SPLIT
+    kh = hs // SPLIT
+    sp = hs % SPLIT
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -325,18 +328,19 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, DIFF, SCHED, stride_qt, stride_qh, stride_kt,
-    stride_kh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, DIFF, SCHED, n_heads, stride_qt, stride_qh,
+    stride_kt, stride_kh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # grid (schedule slots over query blocks, H); q/dO/dQ share strides; k/v share strides
-    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, HAS_DIFF)
+    # 1-D grid of query-block slots x H, heads inner; q/dO/dQ share strides; k/v share strides
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
     if b < 0:
         return
     start_m = blk * BLOCK_M
-    h = tl.program_id(1)
     kh = h // GROUP
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -464,15 +468,17 @@ def _tune(kernel, make, meta, candidates):
     return best or candidates[0]
 
 
-def _launch(kernel, make, meta, blocks, device, backward=False):
+def _launch(kernel, make, meta, blocks, device, backward=False, tokens=0):
     """Launch ``kernel`` with ``grid, args = make(BLOCK_M, BLOCK_N)``; on a shared-memory overflow
     halve the blocks (down to 16) and retry.
 
     The blocks that fit are remembered, so the overflow is paid once per configuration; with
-    autotuning on (:func:`_autotune_on`) the first launch picks the fastest candidate instead.
+    autotuning on (:func:`_autotune_on`) the first launch of a configuration and pack size
+    (``tokens``, to the next power of two) picks the fastest candidate instead.
     """
     tune = _autotune_on(device)
-    key = (kernel.fn.__name__, str(device), blocks, tuple(sorted(meta.items())), tune)
+    size = triton.next_power_of_2(max(int(tokens), 1)) if tune else None
+    key = (kernel.fn.__name__, str(device), blocks, tuple(sorted(meta.items())), size)
     if key not in _FITTING_BLOCKS and tune:
         _FITTING_BLOCKS[key] = _tune(kernel, make, meta, _candidates(blocks, backward))
     bm, bn, warps, stages = _FITTING_BLOCKS.get(key, blocks)
@@ -491,12 +497,6 @@ def _launch(kernel, make, meta, blocks, device, backward=False):
 
 
 # ----------------------------------------------------------------------------- schedule
-# (kind, block, mask, slots, tensor ids and versions) -> (weakrefs, table); a forward's layers
-# share one cu_seqlens tensor, so the table is built once per pack and block size
-_SCHEDULES: OrderedDict = OrderedDict()
-_SCHEDULE_CACHE_SIZE = 32
-
-
 def _schedule_slots(total: int, batch: int, max_len: int, block: int) -> int:
     """Upper bound on the blocks of a pack, known on the host without reading ``cu_seqlens``:
     ``sum(cdiv(len, block)) <= cdiv(total, block) + batch``, and never more than the rectangular
@@ -504,38 +504,17 @@ def _schedule_slots(total: int, batch: int, max_len: int, block: int) -> int:
     return min(triton.cdiv(total, block) + batch, batch * triton.cdiv(max_len, block))
 
 
-def _schedule(cu_q, cu_k, diff, block: int, by_keys: bool, mask: tuple, slots: int):
+def _schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
     """Flat schedule ``(slots, 2)`` int32 of ``(sequence, block index)``, heaviest block first.
 
     One entry per ``block``-row block of every sequence (query blocks, or key blocks when
     ``by_keys``), ordered by the number of partner rows the mask leaves visible to it (the work
-    of its program), descending: with skewed lengths no program is empty and the long ones start
-    first. Slots past the last block hold ``(-1, 0)``. Built on the device (no host sync).
+    of its programs), descending: with skewed lengths no program is empty and the long ones start
+    first. Slots past the last block hold ``(-1, 0)``. Built on the device at every launch (a
+    few small ops, no host sync): ``cu_seqlens`` may be rewritten between calls in ways that do
+    not bump a tensor's version (collectives, ``.data``, DLPack), so tables are not cached.
     ``mask`` is ``_mask_meta``'s ``(left, right, has_left, has_right)``.
     """
-    tensors = [t for t in (cu_q, cu_k, diff) if t is not None]
-    versions = [_version(t) for t in tensors]
-    key = (by_keys, block, mask, slots, *((id(t), v) for t, v in zip(tensors, versions)))
-    hit = _SCHEDULES.get(key) if None not in versions else None
-    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
-        _SCHEDULES.move_to_end(key)
-        return hit[1]
-    table = _build_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots)
-    if None not in versions:
-        _SCHEDULES[key] = ([weakref.ref(t) for t in tensors], table)
-        if len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
-            _SCHEDULES.popitem(last=False)
-    return table
-
-
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter: not cached
-        return None
-
-
-def _build_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
     left, right, has_left, has_right = mask
     lq, lk = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
     batch = lq.numel()
@@ -620,11 +599,11 @@ def varlen_attention_triton_forward(
         sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, slots)
         args = (
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-            cu_seqlens_q if diff is None else diff, sched, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), out.stride(0), out.stride(1), lse.stride(0), float(softmax_scale),
-            float(softcap), left, right, dim,
+            cu_seqlens_q if diff is None else diff, sched, heads, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            float(softmax_scale), float(softcap), left, right, dim,
         )  # fmt: skip
-        return (slots, heads), args
+        return (slots * heads,), args
 
     meta = dict(
         GROUP=heads // k.shape[1],
@@ -635,7 +614,8 @@ def varlen_attention_triton_forward(
         HAS_DIFF=diff is not None,
         BLOCK_D=_block_d(dim),
     )
-    _launch(_fwd_kernel, make, meta, _block_sizes(dim, q.dtype, backward=False), q.device)
+    blocks = _block_sizes(dim, q.dtype, backward=False)
+    _launch(_fwd_kernel, make, meta, blocks, q.device, tokens=total_q)
     return out, lse
 
 
@@ -725,8 +705,10 @@ def _backward_kernels(
     split = gqa_split or _gqa_split(
         _schedule_slots(total_k, batch, max_seqlen_k, blocks[1]), kv_heads, group, q.device
     )
-    if group % split:
-        raise ValueError(f"gqa_split={split} must divide the GQA group size {group}")
+    if not (isinstance(split, int) and split >= 1 and group % split == 0):
+        raise ValueError(
+            f"gqa_split={split!r} must be an int >= 1 dividing the GQA group size {group}"
+        )
     # split > 1: fp32 partial sums per slice of the group, (split, total_k, KVH, D)
     gk, gv = (dk, dv) if split == 1 else (k.new_empty((split, *k.shape), dtype=torch.float32)
                                           for _ in range(2))  # fmt: skip
@@ -736,27 +718,27 @@ def _backward_kernels(
         sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bn, True, mask, slots)
         args = (
             q, k, v, dout, lse, delta, gk, gv, cu_seqlens_q, cu_seqlens_k, cu_diff, sched,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            kv_heads * split, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
             gk.stride(0) if split > 1 else 0,
             float(softmax_scale), float(softcap), left, right, dim,
         )  # fmt: skip
-        return (slots, kv_heads * split), args
+        return (slots * kv_heads * split,), args
 
     def make_dq(bm, bn):
         slots = _schedule_slots(total_q, batch, max_seqlen_q, bm)
         sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, slots)
         args = (
-            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, cu_diff, sched,
+            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, cu_diff, sched, heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
             float(softmax_scale), float(softcap), left, right, dim,
         )  # fmt: skip
-        return (slots, heads), args
+        return (slots * heads,), args
 
-    _launch(_bwd_dkdv_kernel, make_dkdv, dict(meta, SPLIT=split), blocks, q.device, True)
+    _launch(_bwd_dkdv_kernel, make_dkdv, dict(meta, SPLIT=split), blocks, q.device, True, total_k)
     if split > 1:
         dk.copy_(gk.sum(0))
         dv.copy_(gv.sum(0))
-    _launch(_bwd_dq_kernel, make_dq, meta, blocks, q.device, True)
+    _launch(_bwd_dq_kernel, make_dq, meta, blocks, q.device, True, total_q)
     # every token of dq/dk/dv is written: the schedules hold every block of every sequence
     return dq, dk, dv
 
