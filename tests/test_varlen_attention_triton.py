@@ -239,7 +239,7 @@ _SPILLS = {
     "_bwd_dkdv_kernel bf16 128": 672,
     "_bwd_dq_kernel bf16 128": 256,
     "_fwd_kernel fp16 128": 408,
-    "_bwd_dkdv_kernel fp16 128": 704,
+    "_bwd_dkdv_kernel fp16 128": 688,
     "_bwd_dq_kernel fp16 128": 256,
     "_bwd_dkdv_kernel fp32 256": 4424,
     "_bwd_dq_kernel fp32 256": 0,
@@ -359,7 +359,7 @@ def test_flat_schedule_holds_every_block_once_heaviest_first(lens_q, lens_k, dif
     mask = vt._mask_meta(False, window)
     n = sum(lens_k if by_keys else lens_q)
     slots = vt._schedule_slots(n, len(lens_q), max(lens_k if by_keys else lens_q), block)
-    table = vt._schedule(_cu(lens_q), _cu(lens_k), dt, block, by_keys, mask, slots)
+    table = vt._flat_schedule(_cu(lens_q), _cu(lens_k), dt, block, by_keys, mask, slots)
     want = _blocks_brute(lens_q, lens_k, diff, block, by_keys, *window)
     assert table.dtype == torch.int32 and table.shape == (slots, 2)
     used = [tuple(r) for r in table.tolist() if r[0] >= 0]
@@ -371,6 +371,19 @@ def test_flat_schedule_holds_every_block_once_heaviest_first(lens_q, lens_k, dif
     # with skewed lengths far fewer (18 instead of 60 in the first case)
     rect = len(lens_q) * -(-max(lens_k if by_keys else lens_q) // block)
     assert slots <= rect and (len(lens_q) < 12 or 3 * slots < rect), (slots, rect)
+
+
+def test_schedule_flat_for_skewed_packs_static_rectangle_for_uniform_ones():
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    mask = vt._mask_meta(True, (-1, -1))
+    skewed = _cu([1] * 9 + [0, 70, 3])  # 18 flat slots vs a 60-slot rectangle
+    table = vt._schedule(skewed, skewed, None, 16, False, mask, 82, 70)
+    assert table.shape == (18, 2) and table[0].tolist() == [10, 4]
+    uniform = _cu([40, 33, 47])  # 7 flat slots vs a 9-slot rectangle
+    table = vt._schedule(uniform, uniform, None, 16, False, mask, 120, 47)
+    assert table is vt._schedule(uniform, uniform, None, 16, False, mask, 120, 47)  # cached
+    assert table.tolist() == [[b, m] for m in (2, 1, 0) for b in range(3)]
 
 
 def test_cu_seqlens_rewritten_without_a_version_bump_is_followed():

@@ -5,11 +5,13 @@ k/v ``(total_k, KVH, D)``, ``cu_seqlens_*`` int32 ``(batch + 1,)``, lse ``(H, to
 The semantics are those of ``varlen_attention_reference`` (bottom-right aligned causal mask,
 ``(left, right)`` sliding window, softcap, output 0 and lse ``-inf`` for a query that sees no key).
 
-* Schedule: each launch walks a flat table of ``(sequence, block)`` slots, heaviest block first
-  (most keys or queries left visible by the mask), built on the device at every launch
-  (:func:`_schedule`). The 1-D grid is slots x heads with the heads inner, so every head of the
-  heaviest block starts first and no program is empty with skewed lengths; the table is sized
-  by a host-side bound, so no ``cu_seqlens`` value is read back.
+* Schedule (:func:`_schedule`): each launch walks a table of ``(sequence, block)`` slots; the
+  1-D grid is slots x heads with the heads inner, so every head of the first slot starts first.
+  With skewed lengths the table is flat, one slot per real block, heaviest block first (most
+  keys or queries left visible by the mask), built on the device at every launch and sized by
+  a host-side bound (no ``cu_seqlens`` value is read back). When lengths are close to uniform
+  it is the static ``batch x cdiv(max_len, block)`` rectangle, last block first, cached per
+  shape: no per-call host work.
 * Forward: one launch for the whole pack, grid ``slots * H``. Online softmax in fp32 with exp2
   (scores carried in log2 units); only the key blocks that the causal/window mask leaves visible
   to a query block are visited, so no ``T x T`` matrix exists anywhere.
@@ -39,6 +41,7 @@ exact fp32 products (``input_precision="ieee"``) unless
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -186,9 +189,9 @@ def _fwd_kernel(
     pid = tl.program_id(0)
     h = pid % n_heads
     b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
-    if b < 0:
-        return
     start_m = blk * BLOCK_M
+    if (b < 0) | (start_m >= lq):  # unused slot, or past the sequence's end
+        return
     kh = h // GROUP
 
     # q/out: a 64-bit base once per block, 32-bit offsets inside the tile
@@ -274,7 +277,7 @@ def _bwd_dkdv_kernel(
     pid = tl.program_id(0)
     hs = pid % n_heads
     b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
-    if b < 0:
+    if b < 0:  # unused slot
         return
     start_n = blk * BLOCK_N
     kh = hs // SPLIT
@@ -295,6 +298,7 @@ def _bwd_dkdv_kernel(
 
     # (empty loops when lq == 0 or no query sees this block: dk/dv rows are stored as zeros)
     lo, hi = _query_range(start_n, lq, lk, diff, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    hi = tl.where(start_n < lk, hi, lo)  # past the sequence's end (rectangle): nothing to do
     for g in range(GROUP // SPLIT):  # this program's query heads of the group
         h = kh * GROUP + sp * (GROUP // SPLIT) + g
         for start_m in range(lo, hi, BLOCK_M):
@@ -338,7 +342,7 @@ def _bwd_dq_kernel(
     pid = tl.program_id(0)
     h = pid % n_heads
     b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
-    if b < 0:
+    if b < 0:  # unused slot
         return
     start_m = blk * BLOCK_M
     kh = h // GROUP
@@ -359,6 +363,7 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     lo, hi = _key_range(start_m, lq, lk, diff, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    hi = tl.where(start_m < lq, hi, lo)  # past the sequence's end (rectangle): nothing to do
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_off = (k0 + cols).to(tl.int64)[:, None] * stride_kt + kh * stride_kh + offs_d[None, :]
@@ -497,6 +502,31 @@ def _launch(kernel, make, meta, blocks, device, backward=False, tokens=0):
 
 
 # ----------------------------------------------------------------------------- schedule
+def _schedule(cu_q, cu_k, diff, block, by_keys, mask, total, max_len):
+    """The ``(slots, 2)`` int32 ``(sequence, block index)`` table of a launch (``total`` /
+    ``max_len``: tokens and longest sequence on the blocked side; host ints).
+
+    When lengths are close to uniform (the flat bound is over 3/4 of the rectangle) the static
+    rectangle ``(b, m)`` for every sequence and ``m < cdiv(max_len, block)``, last block first,
+    cached per shape (no per-call work; programs past a sequence's end exit at once). Else the
+    data-dependent :func:`_flat_schedule`, where a rectangle would be mostly empty programs."""
+    batch = cu_q.numel() - 1
+    slots = _schedule_slots(total, batch, max_len, block)
+    nblk = triton.cdiv(max_len, block)
+    if 4 * slots > 3 * batch * nblk:
+        return _rectangle(batch, nblk, cu_q.device)
+    return _flat_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots)
+
+
+@functools.lru_cache(maxsize=64)
+def _rectangle(batch: int, nblk: int, device: torch.device) -> torch.Tensor:
+    """``(batch * nblk, 2)`` int32: block ``nblk - 1`` of every sequence, then ``nblk - 2``, ...
+    (causal work grows with the block index, so the heavy ones go first)."""
+    m = torch.arange(nblk - 1, -1, -1, device=device).repeat_interleave(batch)
+    b = torch.arange(batch, device=device).repeat(nblk)
+    return torch.stack([b, m], 1).to(torch.int32)
+
+
 def _schedule_slots(total: int, batch: int, max_len: int, block: int) -> int:
     """Upper bound on the blocks of a pack, known on the host without reading ``cu_seqlens``:
     ``sum(cdiv(len, block)) <= cdiv(total, block) + batch``, and never more than the rectangular
@@ -504,7 +534,7 @@ def _schedule_slots(total: int, batch: int, max_len: int, block: int) -> int:
     return min(triton.cdiv(total, block) + batch, batch * triton.cdiv(max_len, block))
 
 
-def _schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
+def _flat_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
     """Flat schedule ``(slots, 2)`` int32 of ``(sequence, block index)``, heaviest block first.
 
     One entry per ``block``-row block of every sequence (query blocks, or key blocks when
@@ -595,8 +625,8 @@ def varlen_attention_triton_forward(
     left, right, has_left, has_right = mask
 
     def make(bm, bn):
-        slots = _schedule_slots(total_q, batch, max_seqlen_q, bm)
-        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, slots)
+        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, total_q, max_seqlen_q)
+        slots = sched.shape[0]
         args = (
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
             cu_seqlens_q if diff is None else diff, sched, heads, q.stride(0), q.stride(1),
@@ -714,8 +744,8 @@ def _backward_kernels(
                                           for _ in range(2))  # fmt: skip
 
     def make_dkdv(bm, bn):
-        slots = _schedule_slots(total_k, batch, max_seqlen_k, bn)
-        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bn, True, mask, slots)
+        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bn, True, mask, total_k, max_seqlen_k)
+        slots = sched.shape[0]
         args = (
             q, k, v, dout, lse, delta, gk, gv, cu_seqlens_q, cu_seqlens_k, cu_diff, sched,
             kv_heads * split, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
@@ -725,8 +755,8 @@ def _backward_kernels(
         return (slots * kv_heads * split,), args
 
     def make_dq(bm, bn):
-        slots = _schedule_slots(total_q, batch, max_seqlen_q, bm)
-        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, slots)
+        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, total_q, max_seqlen_q)
+        slots = sched.shape[0]
         args = (
             q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, cu_diff, sched, heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
