@@ -258,3 +258,21 @@ def test_compiled_policy_loss_and_whiten_still_check_the_mask():
         torch.testing.assert_close(_compiled(fn)(x, bad.clamp(max=1)), fn(x, bad.clamp(max=1)))
         with pytest.raises(Exception, match="mask values must be 0 or 1"):
             _compiled(fn)(x, bad)
+
+
+def test_nll_op_without_gradients_runs_no_backward_pass(monkeypatch):
+    """The compiled NLL op's fallback (vocabulary too large for one block) makes no gradient
+    pass when nothing needs a gradient (no_grad, evaluation)."""
+    from rlhf_kernels.ops import linear_logprobs as mod
+
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    lab, wt = torch.randint(0, V, (N,), generator=g), torch.full((N,), 1.0 / N)
+    monkeypatch.setattr(mod, "_fits_one_pass", lambda *a: (False, 1))
+    want = mod._nll_with_grads(h, w, None, lab, wt, 1.0, None, [True, True, False])
+    monkeypatch.setattr(mod, "_backward", lambda *a: pytest.fail("gradient pass without need"))
+    loss, dh, dw, db = mod._nll_with_grads(h, w, None, lab, wt, 1.0, None, [False] * 3)
+    assert dh is None and dw is None and db is None
+    torch.testing.assert_close(loss, want[0])
+    ref = -(wt * torch.log_softmax(h @ w.T, -1).gather(1, lab[:, None])[:, 0]).sum()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)

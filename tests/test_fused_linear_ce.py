@@ -128,23 +128,27 @@ def test_token_scaling_and_z_loss_match_reference(reduction):
         torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("softcap", [None, 0.5])
-def test_token_accuracy_and_predicted_tokens(reduction, softcap, monkeypatch):
+@pytest.mark.parametrize("ignore", [-100, -1])
+def test_token_accuracy_and_predicted_tokens(reduction, softcap, ignore, monkeypatch):
     """Argmax of the (capped) logits without ``(N, V)`` logits: predicted ids (-1 where the
-    target is ignored) and accuracy (mean over counted tokens, or per token)."""
+    target is ignored) and accuracy (mean over counted tokens for "mean" and "sum", as Liger;
+    per token for "none"), also with ``ignore_index=-1`` (where an ignored -1 target must not
+    count as a hit on the -1 prediction)."""
     from rlhf_kernels.ops import fused_linear_ce
 
     monkeypatch.setattr(fused_linear_ce, "_PREDICT_ELEMS", 4 * 50)  # 4-row chunks
     x, w, b, y = _problem(shape=(3, 7))
+    y = y.masked_fill(y == -100, ignore)
     y.view(-1)[[1, 2]] = F.linear(x, w, b).argmax(-1).view(-1)[[1, 2]]  # some hits
     out = fused_linear_cross_entropy(
-        x, w, y, b, reduction=reduction, softcap=softcap, return_token_accuracy=True,
-        return_predicted_tokens=True,
+        x, w, y, b, ignore_index=ignore, reduction=reduction, softcap=softcap,
+        return_token_accuracy=True, return_predicted_tokens=True,
     )  # fmt: skip
     logits = F.linear(x, w, b).detach()
     logits = logits if softcap is None else softcap * torch.tanh(logits / softcap)
-    keep = y != -100
+    keep = y != ignore
     pred = logits.argmax(-1).masked_fill(~keep, -1)
     assert out.predicted_tokens.dtype == torch.long and torch.equal(out.predicted_tokens, pred)
     hit = ((pred == y) & keep).float()
@@ -152,5 +156,18 @@ def test_token_accuracy_and_predicted_tokens(reduction, softcap, monkeypatch):
     torch.testing.assert_close(out.token_accuracy, want)
     assert 0 < hit.sum() < keep.sum() and out.z_loss is None
     torch.testing.assert_close(
-        out.loss, fused_linear_cross_entropy(x, w, y, b, reduction=reduction, softcap=softcap)
+        out.loss,
+        fused_linear_cross_entropy(
+            x, w, y, b, ignore_index=ignore, reduction=reduction, softcap=softcap
+        ),
     )
+
+
+def test_negative_class_weights_match_torch():
+    """A negative summed target weight divides the mean as it is (F.cross_entropy's
+    meaning), not as if it were zero."""
+    x, w, b, y = _problem()
+    cw = -torch.linspace(0.5, 1.5, w.shape[0])
+    got = FusedLinearCrossEntropyLoss(cw, label_smoothing=0.1)(w, x, y, b)
+    want, _, _ = _torch_ce(x, w, b, y, weight=cw.double(), label_smoothing=0.1)
+    torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)

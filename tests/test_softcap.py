@@ -310,3 +310,21 @@ def test_startup_self_check_catches_an_unknown_logit_transform(arch, tmp_path, m
     )
     with pytest.raises(ValueError, match="does not reproduce .*ForCausalLM's own log-probs"):
         modeling.check_head_logits(lm)
+
+
+def test_self_check_turns_dropout_off_and_restores_the_mode():
+    import transformers
+
+    from trainers.modeling import check_head_logits
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(60.0)
+    lm.config._attn_implementation = "eager"  # eager attention applies the dropout
+    lm.train()
+    assert check_head_logits(lm) < 1e-3 and lm.training

@@ -70,11 +70,21 @@ def check_head_logits(lm: nn.Module, tokens: int = 4) -> float:
     transforms that change logits of real magnitude (a soft cap, a scale); on a model whose
     logits are all tiny a soft cap is invisible and passes.
     """
-    from rlhf_kernels.ops.linear_logprobs import linear_logprobs
-
     head = lm.get_output_embeddings()
     device = head.weight.device
     n = min(tokens, head.weight.shape[0])
+    training = lm.training
+    lm.eval()  # dropout off: both forwards must see the same hidden states
+    try:
+        return _check_head_logits(lm, head, device, n)
+    finally:
+        lm.train(training)
+
+
+@torch.no_grad()
+def _check_head_logits(lm, head, device, n):
+    from rlhf_kernels.ops.linear_logprobs import linear_logprobs
+
     ids = torch.arange(1, n + 1, device=device)[None] % head.weight.shape[0]
     pos = torch.arange(n, device=device)[None]
     z = lm(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()  # (n, V)

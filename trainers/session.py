@@ -253,7 +253,7 @@ class Session:
         model = self._from_pretrained(AutoModelForCausalLM)
         try:
             check_head_logits(model)
-        except ValueError as e:
+        except (ValueError, NotImplementedError) as e:
             common.fail(f"--model {self.model_path}: {e}")
         return model
 

@@ -343,7 +343,8 @@ def linear_nll_fwd(
 
 @linear_nll_fwd.register_fake
 def _(h, w, b, safe, wt, temperature, softcap, needs):
-    dh, dw = (torch.empty_like(t) if n else h.new_empty(0) for t, n in zip((h, w), needs))
+    dh = h.new_empty(h.shape) if needs[0] else h.new_empty(0)  # contiguous, as the real op's
+    dw = torch.empty_like(w) if needs[1] else h.new_empty(0)
     db = torch.empty_like(b) if b is not None and needs[2] else h.new_empty(0)
     return h.new_empty((), dtype=torch.float32), dh, dw, db
 

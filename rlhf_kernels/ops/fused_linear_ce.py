@@ -138,8 +138,9 @@ def fused_linear_cross_entropy(
     accuracy = predicted = None
     if return_token_accuracy or return_predicted_tokens:
         pred = _predictions(h, weight, bias, softcap).masked_fill(~keep, -1)
-        if return_token_accuracy:
-            accuracy = _reduce((pred == y).float(), keep, reduction)
+        if return_token_accuracy:  # a mean over counted tokens for "sum" too (as Liger)
+            hit = ((pred == y) & keep).float()
+            accuracy = _reduce(hit, keep, "none" if reduction == "none" else "mean")
             accuracy = accuracy.view(target.shape) if reduction == "none" else accuracy
         if return_predicted_tokens:
             predicted = pred.view(target.shape)
@@ -174,7 +175,7 @@ def _per_token_loss(
             tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none")
         denom = keep.sum()
     else:
-        cw = cw.float()
+        cw = cw.detach().float()  # class weights are constants (torch refuses their gradient)
         w_y = cw[y_safe] * keep
         tok = (1.0 - eps) * w_y * -logp
         if eps:  # e / V * (lse * sum_v w_v - sum_v w_v u_v)
@@ -188,13 +189,14 @@ def _per_token_loss(
     if reduction == "none":
         return tok + z_tok, z_tok.detach()
     z = z_tok.sum() if reduction == "sum" else z_tok.sum() / keep.sum().clamp_min(1)
-    loss = tok.sum() if reduction == "sum" else tok.sum() / _positive(denom)
+    loss = tok.sum() if reduction == "sum" else tok.sum() / _nonzero(denom)
     return loss + z, z.detach()
 
 
-def _positive(x):
-    """``x`` where it is > 0, else 1 (a mean over nothing is 0, as the unweighted loss)."""
-    return torch.where(x > 0, x, torch.ones_like(x))
+def _nonzero(x):
+    """``x``, or 1 where it is 0 (a mean over nothing is 0, as the unweighted loss); negative
+    weight sums stay (``F.cross_entropy`` allows negative class weights)."""
+    return torch.where(x != 0, x, torch.ones_like(x))
 
 
 # rows of logits per chunk of the no-grad prediction pass: about 64 MiB of fp32 logits

@@ -39,8 +39,9 @@ Layouts: packed ``(T, H)`` hidden with ``(T,)`` labels, or a model's padded ``(B
 ``(B, T)`` labels (and mask); outputs take the labels' shape. The scalar losses run the matmuls on
 the rows that count only (``_live_rows``: pads and ignored labels of a padded batch are dropped
 first, in eager mode). Under ``torch.compile`` the op is the ``rlhf_kernels::linear_logprobs_fwd``
-/ ``_bwd`` custom ops (``ops/compiled.py``), so nothing breaks the graph; the scalar losses then
-use it (4 matmuls) instead of the one-pass path.
+/ ``_bwd`` custom ops (``ops/compiled.py``), so nothing breaks the graph; ``linear_nll_loss`` is
+then the one-pass ``rlhf_kernels::linear_nll_fwd`` op (rows skipped inside it), while
+``linear_policy_loss`` uses the per-token op (4 matmuls).
 
 Soft cap (``softcap=c``, Gemma 2's ``final_logit_softcapping``): ``u = c * tanh(z / c) / tau``
 in each block; the gradient blocks take the extra factor ``1 - tanh(z / c)^2`` (recovered from
@@ -560,11 +561,13 @@ def _nll_with_grads(h, w, b, lab, wt, temperature, softcap, needs):
         b_s = _scaled_bias(b, 1.0 / tau, cap)
         logp, ent, lse = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap)
         loss = -(ww * logp).sum()
-        g_lp = -ww.float()
-        grads = _backward(hh, w, b_s, ll, 1.0 / tau, tc, vc, lse, ent, g_lp, None, needs, cap)
-        dh, dw, db = _cast_grads(*grads, hh, b)
-    if dh is not None and part:
-        dh = h.new_zeros(h.shape).index_copy_(0, keep, dh)
+        dh = dw = db = None
+        if any(needs):
+            g_lp = -ww.float()
+            grads = _backward(hh, w, b_s, ll, 1.0 / tau, tc, vc, lse, ent, g_lp, None, needs, cap)
+            dh, dw, db = _cast_grads(*grads, hh, b)
+    if dh is not None:  # contiguous, as the op's fake declares
+        dh = h.new_zeros(h.shape).index_copy_(0, keep, dh) if part else dh.contiguous()
     return loss.float(), dh, dw, db
 
 
@@ -748,7 +751,8 @@ def linear_nll_loss(
     Returns a float32 scalar (0 when no token counts).
     When the whole vocabulary fits one block (``_chunk_sizes``) and the fp32 weight-gradient
     accumulator is free (fp32 weight) or within the block budget, gradients are computed in the
-    forward pass (``_LinearNLL``, 3 matmuls); otherwise this is ``linear_logprobs`` + a sum.
+    forward pass (``_FusedLinearLoss``, 3 matmuls; under torch.compile the same math in the
+    ``rlhf_kernels::linear_nll_fwd`` op); otherwise this is ``linear_logprobs`` + a sum.
     """
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
     if mask is not None and mask.shape != labels.shape:
@@ -858,8 +862,9 @@ def _token_count(m, group):
 def _live_rows(hidden, lab, wt, padded, more=()):
     """Padded input: keep only the rows that count (``wt != 0``), so pads cost no matmul.
 
-    Eager only (a data-dependent row count would break a torch.compile graph); the gradient of
-    the dropped rows is 0 either way. Returns ``(hidden, lab, (wt, *more))`` row-selected."""
+    Eager only (a data-dependent row count would break a torch.compile graph; there
+    ``linear_nll_loss``'s op skips the rows at run time); the gradient of the dropped rows is 0
+    either way. Returns ``(hidden, lab, (wt, *more))`` row-selected."""
     if not padded or torch.compiler.is_compiling():
         return hidden, lab, (wt, *more)
     keep = (wt != 0).nonzero().squeeze(1)
