@@ -179,8 +179,7 @@ def _slot(SCHED, CU_Q, CU_K, DIFF, slot, HAS_DIFF: tl.constexpr):
 def _fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K, DIFF, SCHED, n_heads, stride_qt, stride_qh, stride_kt,
     stride_kh, stride_ot, stride_oh, stride_lh, scale, softcap, left, right, head_dim,
-    GROUP: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
