@@ -57,7 +57,6 @@ def head_logit_args(lm: nn.Module, temperature: float = 1.0) -> dict:
     )
 
 
-@torch.no_grad()
 def check_head_logits(lm: nn.Module, tokens: int = 4) -> float:
     """Start-up self-check: the fused lm_head with :func:`head_logit_args` must reproduce the
     model's own log-probs on a few tokens, else the trainers would score other logits than the

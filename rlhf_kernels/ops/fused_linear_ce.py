@@ -166,13 +166,14 @@ def _per_token_loss(
     """Loss and z-loss, reduced, from per-token log-probs (class weights, token scaling,
     z-loss; see the module docstring). fp32."""
     logp = linear_logprobs(h, w, y, b, ignore_index=ignore_index, softcap=softcap)
-    y_safe = y.masked_fill(~keep, 0).clamp(0, w.shape[0] - 1)  # bad labels: NaN logp
-    need_lse = z_scale or (eps and cw is not None)
-    lse = (_target_logit(h, w, y_safe, b, softcap) - logp) * keep if need_lse else None
+    y_safe = _safe_targets(y, keep, w.shape[0])
+    # u_y (no smoothing under a soft cap, so one capped u_y serves both uses)
+    u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or eps else None
+    lse = (u_y - logp) * keep if u_y is not None else None
     if cw is None:
         tok = -logp
         if eps:
-            tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none")
+            tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none", u_y)
         denom = keep.sum()
     else:
         cw = cw.detach().float()  # class weights are constants (torch refuses their gradient)
@@ -188,7 +189,7 @@ def _per_token_loss(
         tok, z_tok = tok * scale, z_tok * scale
     if reduction == "none":
         return tok + z_tok, z_tok.detach()
-    z = z_tok.sum() if reduction == "sum" else z_tok.sum() / keep.sum().clamp_min(1)
+    z = _reduce(z_tok, keep, reduction)
     loss = tok.sum() if reduction == "sum" else tok.sum() / _nonzero(denom)
     return loss + z, z.detach()
 
@@ -235,9 +236,17 @@ def _target_logit(h, w, y_safe, b, softcap):
     return u_y if softcap is None else softcap * torch.tanh(u_y / softcap)
 
 
-def _smoothing_term(h, w, y, b, keep, reduction):
-    """``u_y - mean_v u_v`` per token (0 at ignored ones), reduced like the loss; fp32."""
-    u_y = _target_logit(h, w, y.masked_fill(~keep, 0).clamp(0, w.shape[0] - 1), b, None)
+def _safe_targets(y, keep, vocab):
+    """Targets fit for gathering: ignored ones -> 0, out-of-range ones clamped (their logp is
+    NaN, so the loss shows them anyway)."""
+    return y.masked_fill(~keep, 0).clamp(0, vocab - 1)
+
+
+def _smoothing_term(h, w, y, b, keep, reduction, u_y=None):
+    """``u_y - mean_v u_v`` per token (0 at ignored ones), reduced like the loss; fp32.
+    ``u_y``: the target logits when the caller has them."""
+    if u_y is None:
+        u_y = _target_logit(h, w, _safe_targets(y, keep, w.shape[0]), b, None)
     u_mean = h.float() @ w.float().mean(0)
     if b is not None:
         u_mean = u_mean + b.float().mean()

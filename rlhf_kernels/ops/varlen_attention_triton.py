@@ -591,6 +591,19 @@ def _mask_meta(causal: bool, window_size: tuple[int, int]) -> tuple[int, int, bo
     return max(left, 0), max(right, 0), left >= 0, right >= 0
 
 
+def _kernel_meta(q, k, mask, softcap, diff) -> dict:
+    """The constexprs every attention kernel takes (``mask`` from ``_mask_meta``)."""
+    return dict(
+        GROUP=q.shape[1] // k.shape[1],
+        HAS_LEFT=mask[2],
+        HAS_RIGHT=mask[3],
+        SOFTCAP=softcap > 0,
+        **_dot_meta(q.dtype),
+        HAS_DIFF=diff is not None,
+        BLOCK_D=_block_d(q.shape[2]),
+    )
+
+
 def varlen_attention_triton_forward(
     q,
     k,
@@ -621,7 +634,7 @@ def varlen_attention_triton_forward(
     if total_q == 0 or batch == 0:
         return out, lse
     mask = _mask_meta(causal, window_size)
-    left, right, has_left, has_right = mask
+    left, right = mask[:2]
 
     def make(bm, bn):
         sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, total_q, max_seqlen_q)
@@ -634,15 +647,7 @@ def varlen_attention_triton_forward(
         )  # fmt: skip
         return (slots * heads,), args
 
-    meta = dict(
-        GROUP=heads // k.shape[1],
-        HAS_LEFT=has_left,
-        HAS_RIGHT=has_right,
-        SOFTCAP=softcap > 0,
-        **_dot_meta(q.dtype),
-        HAS_DIFF=diff is not None,
-        BLOCK_D=_block_d(dim),
-    )
+    meta = _kernel_meta(q, k, mask, softcap, diff)
     blocks = _block_sizes(dim, q.dtype, backward=False)
     _launch(_fwd_kernel, make, meta, blocks, q.device, tokens=total_q)
     return out, lse
@@ -719,17 +724,9 @@ def _backward_kernels(
     batch = cu_seqlens_q.numel() - 1
     group = heads // kv_heads
     mask = _mask_meta(causal, window_size)
-    left, right, has_left, has_right = mask
+    left, right = mask[:2]
     cu_diff = cu_seqlens_q if diff is None else diff
-    meta = dict(
-        GROUP=group,
-        HAS_LEFT=has_left,
-        HAS_RIGHT=has_right,
-        SOFTCAP=softcap > 0,
-        **_dot_meta(q.dtype),
-        HAS_DIFF=diff is not None,
-        BLOCK_D=_block_d(dim),
-    )
+    meta = _kernel_meta(q, k, mask, softcap, diff)
     blocks = _block_sizes(dim, q.dtype, backward=True)
     split = gqa_split or _gqa_split(
         _schedule_slots(total_k, batch, max_seqlen_k, blocks[1]), kv_heads, group, q.device
