@@ -29,14 +29,14 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
             f"attention_mask must be (batch, seqlen) = {tuple(hidden_states.shape[:2])}, got "
             f"{tuple(attention_mask.shape)}"
         )
-    check_mask(attention_mask, "attention_mask")
+    attention_mask = check_mask(attention_mask, "attention_mask")
     if unused_mask is not None:
         if unused_mask.shape != attention_mask.shape:
             raise ValueError(
                 f"unused_mask must have attention_mask's shape {tuple(attention_mask.shape)}, "
                 f"got {tuple(unused_mask.shape)}"
             )
-        check_mask(unused_mask, "unused_mask")
+        unused_mask = check_mask(unused_mask, "unused_mask")
     used = attention_mask.bool()
     every = used if unused_mask is None else used | unused_mask.bool()
     seqused = used.sum(-1, dtype=torch.int32)

@@ -244,16 +244,27 @@ def test_compiled_nll_loss_is_one_pass_skips_pads_and_checks_the_mask(monkeypatc
         _compiled(f)(h0.clone().requires_grad_(), w0.clone(), mask * 2)
 
 
-def test_compiled_policy_loss_and_whiten_still_check_the_mask():
+def test_compiled_ops_still_check_the_mask():
+    """Traced, the 0/1 check runs in an op whose output the caller must use (else the graph
+    drops it as dead code): policy loss, whiten, GAE / returns (padded and packed), unpad."""
     from rlhf_kernels.ops.advantages import whiten
+    from rlhf_kernels.ops.gae import discounted_returns, gae
     from rlhf_kernels.ops.losses import policy_loss
+    from rlhf_kernels.padding import unpad_input
 
     x = torch.randn(3, 5)
     bad = torch.ones(3, 5)
     bad[0, 0] = 2.0
+    cu = torch.tensor([0, 4, 15], dtype=torch.int32)
     for fn in (
         lambda x, m: policy_loss(x, x.detach(), x.detach(), m),
         lambda x, m: whiten(x, m),
+        lambda x, m: gae(x, x * 0.5, gamma=0.9, lam=0.8, mask=m, backend="torch"),
+        lambda x, m: gae(x.flatten(), x.flatten(), gamma=0.9, lam=0.8, cu_seqlens=cu,
+                         mask=m.flatten(), backend="torch"),  # fmt: skip
+        lambda x, m: discounted_returns(x, gamma=0.9, mask=m, backend="torch"),
+        lambda x, m: unpad_input(x[..., None], m)[0],
+        lambda x, m: unpad_input(x[..., None], m.clamp(max=1), unused_mask=m)[0],
     ):
         torch.testing.assert_close(_compiled(fn)(x, bad.clamp(max=1)), fn(x, bad.clamp(max=1)))
         with pytest.raises(Exception, match="mask values must be 0 or 1"):

@@ -320,7 +320,8 @@ _SCAN_DTYPES = (torch.float32, torch.float64)
 
 
 def _validate(name_tensors, cu_seqlens, mask, backend):
-    """Every input check, before any work; returns the validated ``cu_seqlens`` list (or None)."""
+    """Every input check, before any work; returns ``(cu, mask)``: the validated ``cu_seqlens``
+    list (None; under torch.compile the tensor) and the mask to use (``check_mask``'s)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     (n0, t0), *rest = name_tensors
@@ -335,21 +336,21 @@ def _validate(name_tensors, cu_seqlens, mask, backend):
     check_same_device(**dict(name_tensors), cu_seqlens=cu_seqlens, mask=mask)
     if mask is not None and mask.shape != t0.shape:
         raise ValueError(f"mask must have {n0}'s shape {tuple(t0.shape)}, got {tuple(mask.shape)}")
-    check_mask(mask)
+    mask = check_mask(mask)
     if cu_seqlens is not None:
         if t0.dim() != 1:
             raise ValueError(
                 f"with cu_seqlens, {n0} must be packed 1-D (N,), got shape {tuple(t0.shape)}"
             )
         if torch.compiler.is_compiling():
-            return cu_seqlens  # traced: validated at run time by the segment_ids custom op
-        return check_cu_seqlens(cu_seqlens, t0.shape[0])
+            return cu_seqlens, mask  # traced: validated at run time by the segment_ids op
+        return check_cu_seqlens(cu_seqlens, t0.shape[0]), mask
     if mask is not None:
         if t0.dim() != 2:
             raise ValueError(
                 f"with mask, {n0} must be padded 2-D (B, T), got shape {tuple(t0.shape)}"
             )
-        return None
+        return None, mask
     raise ValueError(
         "give either cu_seqlens (packed 1-D layout) or mask (padded (B, T) layout); got neither"
     )
@@ -430,7 +431,7 @@ def gae(
     """
     cu_seqlens = as_cu_seqlens(cu_seqlens, getattr(rewards, "device", None))
     tensors = [("rewards", rewards), ("values", values)]
-    cu = _validate(tensors, cu_seqlens, mask, backend)
+    cu, mask = _validate(tensors, cu_seqlens, mask, backend)
     if _use_fused("fused_gae", backend, (rewards, values), mask, cu_seqlens):
         adv, ret = torch.ops.rlhf_kernels.fused_gae(
             rewards, values, mask, cu_seqlens, float(gamma), float(lam)
@@ -460,7 +461,7 @@ def discounted_returns(
     """
     cu_seqlens = as_cu_seqlens(cu_seqlens, getattr(rewards, "device", None))
     tensors = [("rewards", rewards)]
-    cu = _validate(tensors, cu_seqlens, mask, backend)
+    cu, mask = _validate(tensors, cu_seqlens, mask, backend)
     if _use_fused("fused_returns", backend, (rewards,), mask, cu_seqlens):
         return torch.ops.rlhf_kernels.fused_returns(rewards, mask, cu_seqlens, float(gamma))
     (r,), is_last, shape, dtype = _prepare(tensors, cu, mask)
