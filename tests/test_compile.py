@@ -260,8 +260,15 @@ def test_compiled_ops_still_check_the_mask():
         lambda x, m: policy_loss(x, x.detach(), x.detach(), m),
         lambda x, m: whiten(x, m),
         lambda x, m: gae(x, x * 0.5, gamma=0.9, lam=0.8, mask=m, backend="torch"),
-        lambda x, m: gae(x.flatten(), x.flatten(), gamma=0.9, lam=0.8, cu_seqlens=cu,
-                         mask=m.flatten(), backend="torch"),  # fmt: skip
+        lambda x, m: gae(
+            x.flatten(),
+            x.flatten(),
+            gamma=0.9,
+            lam=0.8,
+            cu_seqlens=cu,  # packed
+            mask=m.flatten(),
+            backend="torch",
+        ),
         lambda x, m: discounted_returns(x, gamma=0.9, mask=m, backend="torch"),
         lambda x, m: unpad_input(x[..., None], m)[0],
         lambda x, m: unpad_input(x[..., None], m.clamp(max=1), unused_mask=m)[0],
