@@ -7,38 +7,49 @@ import weakref
 
 import torch
 
-# id(tensor) -> (weakref, version counter, validated list). Every layer of a model checks the same
-# cu_seqlens tensor; the cache turns all but the first check into a dict hit (no host sync).
-_VALIDATED: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+# id(tensor) -> (weakref, version counter, data pointer, validated list), for tensors off the CPU:
+# every layer of a model checks the same cu_seqlens tensor, and the cache turns all but the first
+# check into a dict hit instead of a device -> host copy (a sync). A CPU tensor is read every
+# time (tens of microseconds), so no write can leave a stale list there.
+_VALIDATED: dict[int, tuple[weakref.ref, int, int, list[int]]] = {}
 _CACHE_SIZE = 64
 
 
 def _cached(t: torch.Tensor) -> list[int] | None:
     hit = _VALIDATED.get(id(t))
-    if hit is None or hit[0]() is not t:
+    if hit is None or hit[0]() is not t or hit[2] != t.data_ptr():
         return None
     try:
-        return hit[2] if hit[1] == t._version else None
+        return hit[3] if hit[1] == t._version else None
     except RuntimeError:  # inference tensors have no version counter
         return None
 
 
+def _read_every_time(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
 def _remember(t: torch.Tensor, cu: list[int]) -> None:
+    if _read_every_time(t):
+        return
     try:
         version = t._version
     except RuntimeError:
         return
     if len(_VALIDATED) >= _CACHE_SIZE:
         _VALIDATED.clear()
-    _VALIDATED[id(t)] = (weakref.ref(t), version, cu)
+    _VALIDATED[id(t)] = (weakref.ref(t), version, t.data_ptr(), cu)
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
     """Validate a ``cu_seqlens`` tensor against a packed length and return it as a Python list.
 
     Invariants: 1-D integer tensor, ``cu_seqlens[0] == 0``, non-decreasing,
-    ``cu_seqlens[-1] == total``. The check reads the values (one small host copy); a tensor
-    already validated and not modified since is not read again.
+    ``cu_seqlens[-1] == total``. The check reads the values (one small host copy). A tensor on
+    a device (CUDA), already validated and not modified since, is not read again: "modified" as
+    seen by its version counter, which writes that bypass torch's in-place ops do not bump
+    (``dist.broadcast`` into the same tensor, NumPy or DLPack aliases, ``.data``). Pass a new
+    tensor after such a write. CPU tensors are always read.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")

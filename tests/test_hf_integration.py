@@ -148,6 +148,34 @@ def test_padded_layout_computed_once_per_forward(tmp_path_factory, monkeypatch):
     assert len(calls) == 2
 
 
+def test_reused_buffers_written_without_version_bump(tmp_path_factory):
+    """A position_ids / mask buffer refilled in place by a write the version counter misses
+    (a NumPy alias here; ``dist.broadcast`` into the buffer does the same) is seen by the next
+    forward: the first layer rebuilds the segments; the padding mask is a new tensor per
+    forward."""
+    _, ours = _models("llama", tmp_path_factory)
+    ids = torch.randint(1, 50, (1, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    pos2 = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    with torch.no_grad():
+        want = ours(input_ids=ids, position_ids=pos2.clone()).logits
+        ours(input_ids=ids, position_ids=pos)
+        pos.numpy()[:] = pos2.numpy()
+        got = ours(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    ids = torch.randint(1, 50, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask2 = mask.clone()
+    mask2[1, :4] = False
+    with torch.no_grad():
+        want = ours(input_ids=ids, attention_mask=mask2.clone(), use_cache=False).logits
+        ours(input_ids=ids, attention_mask=mask, use_cache=False)
+        mask.numpy()[:] = mask2.numpy()
+        got = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got[mask2], want[mask2], rtol=0, atol=0)
+
+
 def test_rejects_masks_it_cannot_honour(tmp_path_factory):
     _, ours = _models("mistral_sliding", tmp_path_factory)
     ids = torch.randint(0, VOCAB, (1, 12))

@@ -221,17 +221,39 @@ def test_bad_options_raise():
         varlen_attention(**_args(), dropout_p=1.5)
 
 
-def test_cu_seqlens_validation_is_cached_but_sees_in_place_edits():
+def test_cu_seqlens_validation_is_cached_but_sees_in_place_edits(monkeypatch):
+    """Device tensors (faked here) are read once per version; CPU tensors are read every time,
+    so a write that does not bump the version (NumPy alias, ``dist.broadcast``) is seen."""
+    from rlhf_kernels import _checks
     from rlhf_kernels._checks import check_cu_seqlens
 
     cu = _cu([3, 4])
+    cu.numpy()[1] = 5  # no version bump
+    assert check_cu_seqlens(cu, 7) == [0, 5, 7]
+    cu.numpy()[1] = 2
+    assert check_cu_seqlens(cu, 7) == [0, 2, 7]  # CPU: read again
+    q = torch.randn(7, 2, 8)
+    cu.numpy()[1] = 6
+    out = varlen_attention(q, q, q, cu, cu, backend="torch")
+    ref = varlen_attention(q, q, q, _cu([6, 1]), _cu([6, 1]), backend="torch")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+    monkeypatch.setattr(_checks, "_read_every_time", lambda t: False)  # as on CUDA
+    cu = _cu([3, 4])
     assert check_cu_seqlens(cu, 7) == [0, 3, 7]
+    monkeypatch.setattr(cu, "tolist", lambda: pytest.fail("a cache hit reads the tensor"))
     assert check_cu_seqlens(cu, 7) == [0, 3, 7]  # cached
     with pytest.raises(ValueError, match="packed length 8"):
         check_cu_seqlens(cu, 8)
+    monkeypatch.undo()
+    monkeypatch.setattr(_checks, "_read_every_time", lambda t: False)
     cu[1] = 9  # bumps the version counter: must be re-read and rejected
     with pytest.raises(ValueError, match="non-decreasing"):
         check_cu_seqlens(cu, 7)
+    cu[1] = 3
+    assert check_cu_seqlens(cu, 7) == [0, 3, 7]
+    cu.set_(_cu([1, 6]))  # new storage (version kept): re-read
+    assert check_cu_seqlens(cu, 7) == [0, 1, 7]
 
 
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (2, -1))])

@@ -21,7 +21,8 @@ The attention function picks, in order:
    without a mask instead).
 3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`.
 4. ``position_ids``: a new sample starts wherever ``pos[t] != pos[t - 1] + 1`` (transformers'
-   own packed-sequence rule). Computed once per forward and reused by every layer.
+   own packed-sequence rule). Computed at the first layer (``layer_idx`` 0) of each forward and
+   reused by the others.
 5. Otherwise every batch row is one sequence (query rows aligned to the end of the keys).
 
 Sliding window: transformers' layers see key ``j`` from query ``i`` when
@@ -102,15 +103,19 @@ _POS_CACHE_LOCK = threading.Lock()
 _POS_CACHE: list = [None]  # [(weakref to position_ids, version, shape, (cu_seqlens, max_len))]
 
 
-def _segments_from_position_ids(pos: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _segments_from_position_ids(
+    pos: torch.Tensor, refresh: bool = False
+) -> tuple[torch.Tensor, int]:
     """``(B, S)`` position ids -> (int32 cu_seqlens over the flattened ``B * S`` tokens, max len).
 
     A sample starts at each row start and wherever ``pos[t] != pos[t - 1] + 1``. The result for
     the last tensor seen is cached (weak reference + in-place version), so the layers of one
-    forward compute it once.
+    forward compute it once; ``refresh`` (the first layer, see :func:`_first_layer`) recomputes
+    it, so a write the version counter misses (``dist.broadcast`` into a reused buffer) is seen
+    at the next forward.
     """
     with _POS_CACHE_LOCK:
-        hit = _POS_CACHE[0]
+        hit = None if refresh else _POS_CACHE[0]
         if hit is not None and hit[0]() is pos and hit[1] == pos._version and hit[2] == pos.shape:
             return hit[3]
     seq = pos.shape[-1]
@@ -126,6 +131,13 @@ def _segments_from_position_ids(pos: torch.Tensor) -> tuple[torch.Tensor, int]:
     with _POS_CACHE_LOCK:
         _POS_CACHE[0] = (weakref.ref(pos), pos._version, pos.shape, result)
     return result
+
+
+def _first_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a model's first attention layer (transformers' ``layer_idx`` 0),
+    where a forward's per-forward caches are rebuilt. Models without ``layer_idx`` rely on
+    the version counter alone."""
+    return getattr(module, "layer_idx", None) == 0
 
 
 def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
@@ -266,7 +278,7 @@ def rlhf_attention_forward(
 
             cu, longest = segments_from_position_ids(pos), None
         else:
-            cu, longest = _segments_from_position_ids(pos)
+            cu, longest = _segments_from_position_ids(pos, refresh=_first_layer(module))
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
     else:  # one sequence per row
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
@@ -315,7 +327,8 @@ def _padded_layout(mask, s_q: int, s_k: int, windowed: bool):
     Every layer of a forward passes the same mask tensor: the layout is computed (with its host
     syncs) for the first layer and read from a one-entry cache (weak reference + in-place
     version, like the position-ids cache) by the others, whose ``cu_seqlens`` are then the same
-    tensors, so their validation is a cache hit too.
+    tensors, so their validation is a cache hit too. The mask is the one :func:`padding_mask`
+    made for this forward (a new tensor each forward), so the cache never outlives a forward.
     """
     key = (s_q, s_k, windowed, mask.shape)
     with _MASK_CACHE_LOCK:
