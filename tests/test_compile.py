@@ -205,10 +205,12 @@ def test_rl_ops_compiled_bad_input_still_raises():
         f(x)
 
 
-def test_compiled_nll_loss_is_one_pass_skips_pads_and_checks_the_mask(monkeypatch):
-    """Under torch.compile ``linear_nll_loss`` keeps eager's one pass (gradients made in the
-    forward: 1 logits block per token chunk, none in backward), skips pad rows (masked out)
-    at run time, and still refuses a mask value that is not 0/1 (before: all three were off)."""
+@pytest.mark.parametrize("loss", ["nll", "policy"])
+def test_compiled_scalar_loss_is_one_pass_skips_pads_and_checks_the_mask(loss, monkeypatch):
+    """Under torch.compile ``linear_nll_loss`` and ``linear_policy_loss`` keep eager's one pass
+    (gradients made in the forward: 1 logits block per token chunk, none in backward), skip
+    pad rows (masked out) at run time, and still refuse a mask value that is not 0/1 (before:
+    all three were off for both; then the policy loss took 2 block passes over every row)."""
     import rlhf_kernels as rk
     from rlhf_kernels.ops import linear_logprobs as mod
 
@@ -216,6 +218,8 @@ def test_compiled_nll_loss_is_one_pass_skips_pads_and_checks_the_mask(monkeypatc
     h0 = torch.randn(4, 10, H, generator=g)
     w0 = torch.randn(V, H, generator=g) * 0.3
     lab = torch.randint(0, V, (4, 10), generator=g)
+    old = torch.randn(4, 10, generator=g) * 0.2 - 4.0
+    adv = torch.randn(4, 10, generator=g)
     mask = torch.ones(4, 10)
     mask[1:, 6:] = 0  # pads
     rows = []
@@ -225,7 +229,12 @@ def test_compiled_nll_loss_is_one_pass_skips_pads_and_checks_the_mask(monkeypatc
         "_block",
         lambda buf, hc, *a, **k: (rows.append(hc.shape[0]), real(buf, hc, *a, **k))[1],
     )
-    f = lambda h, w, m: rk.linear_nll_loss(h, w, lab, m)  # noqa: E731
+    if loss == "nll":
+        f = lambda h, w, m: rk.linear_nll_loss(h, w, lab, m)  # noqa: E731
+    else:
+        f = lambda h, w, m: rk.linear_policy_loss(  # noqa: E731
+            h, w, lab, old, adv, m, clip_high=0.28, dual_clip=3.0
+        )
     torch._dynamo.reset()
     explained = torch._dynamo.explain(f)(h0.clone().requires_grad_(), w0.clone(), mask)
     assert explained.graph_break_count == 0, explained.break_reasons
@@ -233,15 +242,38 @@ def test_compiled_nll_loss_is_one_pass_skips_pads_and_checks_the_mask(monkeypatc
     for fn in (f, _compiled(f)):
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         rows.clear()
-        loss = fn(h, w, mask)
-        loss.backward()
+        out = fn(h, w, mask)
+        out.backward()
         assert sum(rows) == int(mask.sum()), rows  # only counted rows, one block pass in all
-        results.append((loss.detach(), h.grad, w.grad))
+        results.append((out.detach(), h.grad, w.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert (results[1][1][1:, 6:] == 0).all()
     with pytest.raises(Exception, match="mask values must be 0 or 1"):
         _compiled(f)(h0.clone().requires_grad_(), w0.clone(), mask * 2)
+
+
+@pytest.mark.parametrize("loss", ["nll", "policy"])
+def test_loss_op_fallback_matches_one_pass(loss, monkeypatch):
+    """The compiled loss op's fallback (vocabulary too large for one block: blocks, then the
+    backward) gives the one-pass loss and gradients, PPO clipping included."""
+    from rlhf_kernels.ops import linear_logprobs as mod
+
+    g = torch.Generator().manual_seed(7)
+    h, w = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    lab = torch.randint(0, V, (N,), generator=g)
+    wt = (torch.rand(N, generator=g) > 0.3).float() / N
+    ppo = None
+    if loss == "policy":  # ratios on both sides of the clip range
+        logp = torch.log_softmax(h @ w.T, -1).gather(1, lab[:, None])[:, 0]
+        ref = logp + torch.randn(N, generator=g) * 0.5
+        ppo = (ref, torch.randn(N, generator=g), 0.2, 0.28, 3.0)
+    needs = [True, True, False]
+    want = mod._loss_with_grads(h, w, None, lab, wt, 1.0, None, needs, ppo)
+    monkeypatch.setattr(mod, "_fits_one_pass", lambda *a: (False, 1))
+    got = mod._loss_with_grads(h, w, None, lab, wt, 1.0, None, needs, ppo)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_ops_still_check_the_mask():
@@ -287,9 +319,9 @@ def test_nll_op_without_gradients_runs_no_backward_pass(monkeypatch):
     h, w = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     lab, wt = torch.randint(0, V, (N,), generator=g), torch.full((N,), 1.0 / N)
     monkeypatch.setattr(mod, "_fits_one_pass", lambda *a: (False, 1))
-    want = mod._nll_with_grads(h, w, None, lab, wt, 1.0, None, [True, True, False])
+    want = mod._loss_with_grads(h, w, None, lab, wt, 1.0, None, [True, True, False])
     monkeypatch.setattr(mod, "_backward", lambda *a: pytest.fail("gradient pass without need"))
-    loss, dh, dw, db = mod._nll_with_grads(h, w, None, lab, wt, 1.0, None, [False] * 3)
+    loss, dh, dw, db = mod._loss_with_grads(h, w, None, lab, wt, 1.0, None, [False] * 3)
     assert dh is None and dw is None and db is None
     torch.testing.assert_close(loss, want[0])
     ref = -(wt * torch.log_softmax(h @ w.T, -1).gather(1, lab[:, None])[:, 0]).sum()

@@ -195,3 +195,29 @@ def test_packed_token_mean_needs_no_cu_seqlens():
     for agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         with pytest.raises(ValueError, match=f"aggregation='{agg}' needs sequence boundaries"):
             policy_loss(logp, old, adv, mask, aggregation=agg)
+
+
+@pytest.mark.parametrize("dual", [None, 2.5])
+def test_ppo_token_grad_closed_form_equals_autograd(dual):
+    """The fused losses' closed-form ``d loss / d logp`` (made where autograd records nothing)
+    is autograd's, ties included: ratio exactly at a clip bound, advantage 0, and the dual-clip
+    cap hit exactly (``maximum`` / ``minimum`` split a tie's gradient in half)."""
+    from rlhf_kernels.ops.losses import _ppo_token_grad, _ppo_token_loss
+
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(400, dtype=torch.float64, generator=g)
+    logp = old + torch.randn(400, dtype=torch.float64, generator=g) * 0.6
+    adv = torch.randn(400, dtype=torch.float64, generator=g)
+    lo, hi = 0.2, 0.28
+    logp[:4] = old[:4] + torch.tensor([0.8, 1.28, 1.0, 1.5], dtype=torch.float64).log()
+    adv[2], adv[3] = 0.0, -1.0
+    cap = 1.5 if dual is None else dual  # token 3: -A r == -A dual exactly
+    old[3], logp[3] = 0.0, torch.tensor(cap, dtype=torch.float64).log()  # exp(log(2.5)) == 2.5
+    ratio = torch.exp(logp[:4] - old[:4])
+    assert ratio[0] == 0.8 and ratio[1] == 1.28, ratio  # at the bounds exactly
+    if dual is not None:
+        assert -adv[3] * ratio[3] == -adv[3] * dual
+    lp = logp.clone().requires_grad_()
+    _ppo_token_loss(lp, old, adv, lo, hi, dual)[0].sum().backward()
+    got = _ppo_token_grad(logp, old, adv, lo, hi, dual)
+    torch.testing.assert_close(got, lp.grad, rtol=1e-12, atol=0)

@@ -20,8 +20,9 @@ bad input still raises, before any work.
   mask (data-dependent lengths).
 - ``rlhf_kernels::linear_logprobs_fwd`` / ``_bwd`` -> the fused lm_head + log-prob blocks
   (``(logp, entropy, lse)`` / ``(dhidden, dweight, dbias)``).
-- ``rlhf_kernels::linear_nll_fwd`` -> ``linear_nll_loss``'s loss with its gradients made in
-  the forward (3 matmuls, pad rows skipped at run time), as in eager mode.
+- ``rlhf_kernels::linear_loss_fwd`` -> ``linear_nll_loss``'s or ``linear_policy_loss``'s loss
+  with its gradients made in the forward (3 matmuls, rows that do not count skipped at run
+  time), as in eager mode.
 - ``rlhf_kernels::checked_mask`` -> a mask after its 0/1 check (run time).
 - ``rlhf_kernels::safe_labels`` -> labels clamped for gathering, after the range check.
 - ``rlhf_kernels::segment_ids`` -> the sequence index of every packed token (validates
@@ -320,48 +321,56 @@ def _(mask, name):
     return torch.empty_like(mask)
 
 
-@torch.library.custom_op("rlhf_kernels::linear_nll_fwd", mutates_args=())
-def linear_nll_fwd(
+@torch.library.custom_op("rlhf_kernels::linear_loss_fwd", mutates_args=())
+def linear_loss_fwd(
     h: Tensor,
     w: Tensor,
     b: Tensor | None,
     safe: Tensor,
     wt: Tensor,
+    ref: Tensor | None,
+    adv: Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
     temperature: float,
     softcap: float | None,
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``-sum(wt * logp)`` and its gradients ``(dhidden, dweight, dbias)`` made in the forward
-    (one pass, 3 matmuls; rows with ``wt == 0`` skip the matmuls); an input whose ``needs``
-    entry is False gets an empty gradient."""
+    """A scalar loss over the rows and its gradients ``(dhidden, dweight, dbias)`` made in the
+    forward (one pass, 3 matmuls; rows with ``wt == 0`` skip the matmuls): ``-sum(wt * logp)``,
+    or with ``ref`` / ``adv`` (old log-probs, advantages) the PPO loss ``sum(wt * ppo_token)``
+    clipped by ``clip_low`` / ``clip_high`` / ``dual_clip``. An input whose ``needs`` entry is
+    False gets an empty gradient."""
     from rlhf_kernels.ops import linear_logprobs as mod
 
+    ppo = None if ref is None else (ref, adv, clip_low, clip_high, dual_clip)
     with device_guard(h):
-        loss, dh, dw, db = mod._nll_with_grads(h, w, b, safe, wt, temperature, softcap, needs)
+        loss, dh, dw, db = mod._loss_with_grads(h, w, b, safe, wt, temperature, softcap, needs, ppo)
     return loss, *(h.new_empty(0) if g is None else g for g in (dh, dw, db))
 
 
-@linear_nll_fwd.register_fake
-def _(h, w, b, safe, wt, temperature, softcap, needs):
+@linear_loss_fwd.register_fake
+def _(h, w, b, safe, wt, ref, adv, clip_low, clip_high, dual_clip, temperature, softcap, needs):
     dh = h.new_empty(h.shape) if needs[0] else h.new_empty(0)  # contiguous, as the real op's
     dw = torch.empty_like(w) if needs[1] else h.new_empty(0)
     db = torch.empty_like(b) if b is not None and needs[2] else h.new_empty(0)
     return h.new_empty((), dtype=torch.float32), dh, dw, db
 
 
-def _nll_setup(ctx, inputs, output):
-    ctx.needs = inputs[-1]
+def _loss_setup(ctx, inputs, output):
+    ctx.needs, ctx.n_inputs = inputs[-1], len(inputs)
     ctx.save_for_backward(*output[1:])
 
 
-def _nll_backward(ctx, g, g_dh, g_dw, g_db):
+def _loss_backward(ctx, g, g_dh, g_dw, g_db):
     dh, dw, db = ctx.saved_tensors
     grads = [d * g.to(d.dtype) if n else None for d, n in zip((dh, dw, db), ctx.needs)]
-    return *grads, None, None, None, None, None
+    return *grads, *(None,) * (ctx.n_inputs - 3)
 
 
 torch.library.register_autograd(
-    "rlhf_kernels::linear_nll_fwd", _nll_backward, setup_context=_nll_setup
+    "rlhf_kernels::linear_loss_fwd", _loss_backward, setup_context=_loss_setup
 )
 
 

@@ -39,9 +39,9 @@ Layouts: packed ``(T, H)`` hidden with ``(T,)`` labels, or a model's padded ``(B
 ``(B, T)`` labels (and mask); outputs take the labels' shape. The scalar losses run the matmuls on
 the rows that count only (``_live_rows``: pads and ignored labels of a padded batch are dropped
 first, in eager mode). Under ``torch.compile`` the op is the ``rlhf_kernels::linear_logprobs_fwd``
-/ ``_bwd`` custom ops (``ops/compiled.py``), so nothing breaks the graph; ``linear_nll_loss`` is
-then the one-pass ``rlhf_kernels::linear_nll_fwd`` op (rows skipped inside it), while
-``linear_policy_loss`` uses the per-token op (4 matmuls).
+/ ``_bwd`` custom ops (``ops/compiled.py``), so nothing breaks the graph; ``linear_nll_loss`` and
+``linear_policy_loss`` are then the one-pass ``rlhf_kernels::linear_loss_fwd`` op (rows that do
+not count skipped inside it).
 
 Soft cap (``softcap=c``, Gemma 2's ``final_logit_softcapping``): ``u = c * tanh(z / c) / tau``
 in each block; the gradient blocks take the extra factor ``1 - tanh(z / c)^2`` (recovered from
@@ -444,14 +444,15 @@ class _LinearLogProbs(torch.autograd.Function):
 
 
 class _FusedLinearLoss(torch.autograd.Function):
-    """A scalar loss ``sum_chunks token_loss(logp_chunk, rows)`` with gradients made in forward.
+    """A scalar loss ``sum_chunks loss(logp_chunk, rows)`` with gradients made in forward.
 
     The upstream gradient of a scalar is one number, so (Liger-style) each token chunk's
-    ``dL/dlogp`` (autograd on the small ``(n,)`` vector) is turned into
+    ``dL/dlogp`` (closed form, from :func:`_token_loss`) is turned into
     ``dU = dL/dlogp * (onehot - p) / tau`` (times ``1 - tanh^2`` under a soft cap) right after
     the chunk's log-sum-exp and folded into ``dhidden`` / ``dweight``: 3 matmuls instead of 4.
     Needs the whole vocabulary in one block.
-    ``token_loss`` must be a sum over tokens (weights precomputed), so chunks add up.
+    ``token_loss = (loss, grad)``: the loss must be a sum over tokens (weights precomputed), so
+    chunks add up.
     """
 
     @staticmethod
@@ -478,11 +479,12 @@ class _FusedLinearLoss(torch.autograd.Function):
         return out + (None,) * 5
 
 
-def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, token_grad=None):
+def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs):
     """``_FusedLinearLoss``'s forward: ``(loss, dh, dw, db)`` with the gradients (of the inputs
     whose ``needs`` entry is True, else None) made chunk by chunk in the same pass.
-    ``token_grad(sl)``: ``d token_loss / d logp`` of rows ``sl`` when known in closed form (no
-    autograd on the chunk, which a custom op's body could not record)."""
+    ``token_loss``: ``(loss(logp, rows), grad(logp, rows))`` from :func:`_token_loss`; the
+    closed-form ``d loss / d logp`` also works inside a custom op's body (below the autograd key,
+    where ``torch.autograd.grad`` would record nothing)."""
     inv_tau = 1.0 / tau
     T, H = h.shape
     V = w.shape[0]
@@ -499,6 +501,7 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, token_grad=Non
     buf_p = torch.empty(buf_u.numel(), dtype=h.dtype, device=h.device) if fast else None
     buf_f = None if cap is None else torch.empty_like(buf_u)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    loss_fn, grad_fn = token_loss
     with device_guard(h):
         for t0 in range(0, T, tc):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
@@ -508,17 +511,10 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, token_grad=Non
                 None if cap is None or not any(needs) else _cap_factor(buf_f, u, None, inv_tau, cap)
             )
             logp, lse, p_sum = _chunk_logp(u, lab, fast)
-            logp.requires_grad_(any(needs) and token_grad is None)
-            with torch.enable_grad():
-                part = token_loss(logp, sl)
-            loss += part.detach().float()
+            loss += loss_fn(logp, sl).float()
             if not any(needs):
                 continue
-            if token_grad is None:
-                (g_lp,) = torch.autograd.grad(part, logp)
-            else:
-                g_lp = token_grad(sl)
-            g_lp = (g_lp.float() * inv_tau).contiguous()
+            g_lp = (grad_fn(logp, sl).float() * inv_tau).contiguous()
             if fast:
                 g = _view(buf_p, u)
                 _grad_kernel[(u.shape[0],)](
@@ -541,29 +537,52 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, token_grad=Non
     return (loss, *_cast_grads(dh, dw, db, h, b))
 
 
-def _nll_with_grads(h, w, b, lab, wt, temperature, softcap, needs):
-    """``(-sum(wt * logp), dh, dw, db)`` with the gradients made in the forward; rows with
-    ``wt == 0`` skip the matmuls (their dh is 0). The body of ``linear_nll_loss`` under
-    torch.compile (``rlhf_kernels::linear_nll_fwd``), where the row selection is opaque."""
+def _token_loss(wt, ppo=None):
+    """``(loss(logp, rows), grad(logp, rows))``: ``sum(wt * f(logp))`` over ``rows`` and its
+    gradient in ``logp``, with ``f = -logp`` (NLL) or, given ``ppo = (old_logp, advantages,
+    clip_low, clip_high, dual_clip)``, the PPO clipped token loss. ``wt`` (and the PPO tensors)
+    are per row."""
+    if ppo is None:
+        return (lambda logp, sl: -(wt[sl] * logp).sum()), (lambda logp, sl: -wt[sl])
+    from rlhf_kernels.ops.losses import _ppo_token_grad, _ppo_token_loss
+
+    ref, adv, lo, hi, dual = ppo
+
+    def loss(logp, sl):
+        return (_ppo_token_loss(logp, ref[sl], adv[sl], lo, hi, dual)[0] * wt[sl]).sum()
+
+    def grad(logp, sl):
+        return _ppo_token_grad(logp, ref[sl], adv[sl], lo, hi, dual) * wt[sl]
+
+    return loss, grad
+
+
+def _loss_with_grads(h, w, b, lab, wt, temperature, softcap, needs, ppo=None):
+    """``(loss, dh, dw, db)`` of ``_token_loss(wt, ppo)`` with the gradients made in the
+    forward; rows with ``wt == 0`` skip the matmuls (their dh is 0). The body of the scalar
+    losses under torch.compile (``rlhf_kernels::linear_loss_fwd``), where the row selection is
+    opaque."""
     T, H = h.shape
     V, cap, tau = w.shape[0], None if softcap is None else float(softcap), float(temperature)
     keep = (wt != 0).nonzero().squeeze(1)
     part = keep.numel() < T
-    hh, ll, ww = (t.index_select(0, keep) for t in (h, lab, wt)) if part else (h, lab, wt)
+    rows = (lambda t: t.index_select(0, keep)) if part else (lambda t: t)  # noqa: E731
+    hh, ll, ww = rows(h), rows(lab), rows(wt)
+    if ppo is not None:
+        ppo = (rows(ppo[0]), rows(ppo[1]), *ppo[2:])
+    token_loss = _token_loss(ww, ppo)
     n, cpu = hh.shape[0], h.device.type == "cpu"
     one_pass, tc = _fits_one_pass(n, H, V, cpu)
     if one_pass:
-        token_loss = lambda logp, sl: -(ww[sl] * logp).sum()  # noqa: E731
-        token_grad = lambda sl: -ww[sl]  # noqa: E731
-        loss, dh, dw, db = _fused_loss(hh, w, b, ll, tau, tc, token_loss, cap, needs, token_grad)
-    else:  # vocabulary too large for one block: blocks, then the backward with -wt
+        loss, dh, dw, db = _fused_loss(hh, w, b, ll, tau, tc, token_loss, cap, needs)
+    else:  # vocabulary too large for one block: blocks, then the backward with d loss / d logp
         tc, vc = _chunk_sizes(n, H, V, cpu)
         b_s = _scaled_bias(b, 1.0 / tau, cap)
         logp, ent, lse = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap)
-        loss = -(ww * logp).sum()
-        dh = dw = db = None
+        every = slice(0, n)
+        loss, dh, dw, db = token_loss[0](logp, every), None, None, None
         if any(needs):
-            g_lp = -ww.float()
+            g_lp = token_loss[1](logp, every).float()
             grads = _backward(hh, w, b_s, ll, 1.0 / tau, tc, vc, lse, ent, g_lp, None, needs, cap)
             dh, dw, db = _cast_grads(*grads, hh, b)
     if dh is not None:  # contiguous, as the op's fake declares
@@ -752,7 +771,7 @@ def linear_nll_loss(
     When the whole vocabulary fits one block (``_chunk_sizes``) and the fp32 weight-gradient
     accumulator is free (fp32 weight) or within the block budget, gradients are computed in the
     forward pass (``_FusedLinearLoss``, 3 matmuls; under torch.compile the same math in the
-    ``rlhf_kernels::linear_nll_fwd`` op); otherwise this is ``linear_logprobs`` + a sum.
+    ``rlhf_kernels::linear_loss_fwd`` op); otherwise this is ``linear_logprobs`` + a sum.
     """
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
     if mask is not None and mask.shape != labels.shape:
@@ -768,7 +787,7 @@ def linear_nll_loss(
         m = m.masked_fill(ignored, 0.0)
     wt = m / _token_count(m, group)  # per-token weight of -logp in the loss
     hidden, lab, (wt, bad) = _live_rows(hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad,))
-    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, None, softcap)
+    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap)
     return _nan_if_bad(loss, bad, wt)
 
 
@@ -841,11 +860,8 @@ def linear_policy_loss(
         hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad, ref, adv)
     )
 
-    def ppo(logp, sl):
-        tok = losses._ppo_token_loss(logp, ref[sl], adv[sl], clip_low, clip_high, dual_clip)[0]
-        return (tok * wt[sl]).sum()
-
-    loss = _scalar_loss(hidden, weight, bias, lab, temperature, None, ppo, softcap)
+    ppo = (ref, adv, clip_low, clip_high, dual_clip)
+    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap, ppo)
     return _nan_if_bad(loss, bad, wt)
 
 
@@ -874,36 +890,37 @@ def _live_rows(hidden, lab, wt, padded, more=()):
     return pick(hidden), pick(lab), tuple(pick(t) for t in (wt, *more))
 
 
-def _scalar_loss(hidden, weight, bias, lab, temperature, wt, token_loss, softcap=None):
-    """``-sum(wt * logp)`` (``token_loss`` None) or ``sum_chunks token_loss(logp_chunk, rows)``
-    for gatherable labels ``lab``: one pass with gradients made in the forward when the
-    vocabulary fits one block, else ``linear_logprobs`` + autograd; forward only without grad."""
+def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=None):
+    """``_token_loss(wt, ppo)`` over all rows (gatherable labels ``lab``): one pass with
+    gradients made in the forward when the vocabulary fits one block (under torch.compile the
+    ``rlhf_kernels::linear_loss_fwd`` op, which also skips rows with ``wt == 0``), else
+    ``linear_logprobs`` + autograd; forward only without grad."""
     T, H = hidden.shape
-    nll = token_loss is None
-    if nll:
-        token_loss = lambda logp, sl: -(wt[sl] * logp).sum()
-    compiling = torch.compiler.is_compiling()
-    if not _grad_wanted(hidden, weight, bias) and not compiling:  # forward only, nothing saved
-        cap = None if softcap is None else float(softcap)
-        logp = _logprobs_no_grad(hidden, weight, lab, bias, temperature, cap)
-        return token_loss(logp, slice(0, T))
-    if compiling and nll:  # traced: one opaque op, gradients made in its forward
-        from rlhf_kernels.ops.compiled import linear_nll_fwd
+    token_loss = _token_loss(wt, ppo)
+    loss_fn = token_loss[0]
+    cap = None if softcap is None else float(softcap)
+    if torch.compiler.is_compiling():  # traced: one opaque op, gradients made in its forward
+        from rlhf_kernels.ops.compiled import linear_loss_fwd
 
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-        cap = None if softcap is None else float(softcap)
-        return linear_nll_fwd(hidden, weight, bias, lab, wt, float(temperature), cap, needs)[0]
+        ref, adv, lo, hi, dual = (None, None, 0.0, 0.0, None) if ppo is None else ppo
+        return linear_loss_fwd(
+            hidden, weight, bias, lab, wt, ref, adv, float(lo), float(hi),
+            None if dual is None else float(dual), float(temperature), cap, needs,
+        )[0]  # fmt: skip
+    if not _grad_wanted(hidden, weight, bias):  # forward only, nothing saved
+        logp = _logprobs_no_grad(hidden, weight, lab, bias, temperature, cap)
+        return loss_fn(logp, slice(0, T))
     one_pass, tc = _fits_one_pass(T, H, weight.shape[0], hidden.device.type == "cpu")
-    if one_pass and not compiling:  # traced policy losses: the linear_logprobs op (4 matmuls)
-        cap = None if softcap is None else float(softcap)
+    if one_pass:
         tau = float(temperature)
         return _FusedLinearLoss.apply(hidden, weight, bias, lab, tau, tc, token_loss, cap)
     # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
     logp = linear_logprobs(
         hidden, weight, lab, bias, temperature, ignore_index=None, softcap=softcap
     )
-    return token_loss(logp, slice(0, T))
+    return loss_fn(logp, slice(0, T))
 
 
 def _nan_if_bad(loss, bad, wt):

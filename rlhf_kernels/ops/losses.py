@@ -143,6 +143,25 @@ def _ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
     return loss, unclipped, clipped, ratio, log_ratio
 
 
+def _ppo_token_grad(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
+    """``d _ppo_token_loss / d logp`` in closed form, as autograd forms it: ``torch.maximum`` /
+    ``torch.minimum`` split a tie's gradient in half, ``clamp`` passes it at its bounds. For the
+    fused losses, whose gradients are made where autograd records nothing (a custom op)."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio  # also its own derivative in logp
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    inside = (ratio >= 1 - clip_low) & (ratio <= 1 + clip_high)
+    tie = (unclipped == clipped).to(ratio.dtype) * 0.5
+    to_u = (unclipped > clipped).to(ratio.dtype) + tie
+    to_c = ((clipped > unclipped).to(ratio.dtype) + tie) * inside
+    grad = unclipped * (to_u + to_c)
+    if dual_clip is not None:
+        loss, cap = torch.maximum(unclipped, clipped), -advantages * dual_clip
+        keep = (loss < cap).to(ratio.dtype) + (loss == cap).to(ratio.dtype) * 0.5
+        grad = torch.where(advantages < 0, grad * keep, grad)
+    return grad
+
+
 def _check_policy_args(aggregation, clip_low, clip_high, dual_clip):
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
