@@ -132,6 +132,9 @@ def _rl_cases():
         "cross_entropy_softcap": lambda h, w: rk.FusedLinearCrossEntropyLoss(softcap=2.0)(
             w, h, lab
         ),
+        "cross_entropy_softcap_smoothing": lambda h, w: rk.FusedLinearCrossEntropyLoss(
+            label_smoothing=0.1, softcap=2.0
+        )(w, h, lab),
         "cross_entropy_z_loss": lambda h, w: rk.FusedLinearCrossEntropyLoss(
             lse_square_scale=1e-2, label_smoothing=0.1
         )(w, h, lab),

@@ -12,16 +12,18 @@ Label smoothing needs no logits either: with ``u = h W^T + b``,
 ``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``, and
 ``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product. ``softcap``
 (Gemma 2's final logit soft-capping, ``u = c tanh(z / c)``) runs inside the fused op; with it
-that mean is no longer linear in ``h``, so soft cap and label smoothing together are refused.
+that mean is no longer linear in ``h``: with label smoothing it takes its own chunked pass
+(``_CappedLogitSum``: 1 matmul forward, 3 backward, no ``(T, V)`` tensor kept).
 The z-loss (``lse_square_scale * lse^2`` per token, Liger's / PaLM's) needs no logits either:
 ``lse = u_y - logp_y``, with ``u_y = h . W_y + b_y`` a gather and a row dot product.
 
 Class weights ``ce_weight`` (``F.cross_entropy``'s ``weight``): token ``i`` counts
 ``w_{y_i} (1 - e) (-logp_y) + e / V sum_v w_v (lse - u_v)``, where ``sum_v w_v u_v =
-h . (W^T w) + b . w`` is again one product; ``"mean"`` divides by the summed weight of the
-counted targets (the z-loss stays unweighted, as in Liger). ``use_token_scaling`` multiplies
-each token's loss by its detached target probability ``exp(logp_y)``. z-loss, class weights
-and token scaling take the per-token op (4 matmuls instead of 3).
+h . (W^T w) + b . w`` is again one product (the chunked pass under a soft cap); ``"mean"``
+divides by the summed weight of the counted targets (the z-loss stays unweighted, as in
+Liger). ``use_token_scaling`` multiplies each token's loss by its detached target probability
+``exp(logp_y)``. z-loss, class weights and token scaling take the per-token op (4 matmuls
+instead of 3).
 ``return_token_accuracy`` / ``return_predicted_tokens`` take one more no-grad pass of
 row-chunked logits (argmax of the capped logits; memory bounded like the loss).
 """
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_kernels.ops import linear_logprobs as lse_mod
 from rlhf_kernels.ops.linear_logprobs import _positive_number, linear_logprobs, linear_nll_loss
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -94,12 +97,6 @@ def fused_linear_cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not lse_square_scale >= 0.0:
         raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
-    if softcap is not None and label_smoothing:
-        raise NotImplementedError(
-            f"softcap={softcap} with label_smoothing={label_smoothing}: the smoothing term needs "
-            "the mean of the capped logits over the vocabulary, which the fused op does not "
-            "form; use one of the two"
-        )
     if not isinstance(_input, torch.Tensor) or _input.dim() < 1:
         raise ValueError(f"_input must be a (..., H) tensor, got {type(_input).__name__}")
     if not isinstance(target, torch.Tensor) or target.shape != _input.shape[:-1]:
@@ -129,7 +126,8 @@ def fused_linear_cross_entropy(
     if return_z_loss and z_loss is None:  # asked for with weight 0: zeros, one-pass loss kept
         z_loss = _reduce(torch.zeros(y.shape, device=h.device), keep, reduction)
     if label_smoothing:
-        nll = nll + label_smoothing * _smoothing_term(h, weight, y, bias, keep, reduction)
+        smooth = _smoothing_term(h, weight, y, bias, keep, reduction, softcap=softcap)
+        nll = nll + label_smoothing * smooth
     if reduction == "none":
         nll = nll.view(target.shape)
         z_loss = None if z_loss is None else z_loss.view(target.shape)
@@ -167,20 +165,20 @@ def _per_token_loss(
     z-loss; see the module docstring). fp32."""
     logp = linear_logprobs(h, w, y, b, ignore_index=ignore_index, softcap=softcap)
     y_safe = _safe_targets(y, keep, w.shape[0])
-    # u_y (no smoothing under a soft cap, so one capped u_y serves both uses)
+    # u_y (capped under a soft cap): the z-loss's lse and the smoothing term both use it
     u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or eps else None
     lse = (u_y - logp) * keep if u_y is not None else None
     if cw is None:
         tok = -logp
         if eps:
-            tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none", u_y)
+            tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none", u_y, softcap)
         denom = keep.sum()
     else:
         cw = cw.detach().float()  # class weights are constants (torch refuses their gradient)
         w_y = cw[y_safe] * keep
         tok = (1.0 - eps) * w_y * -logp
         if eps:  # e / V * (lse * sum_v w_v - sum_v w_v u_v)
-            wu = h.float() @ (w.float().T @ cw) + (0.0 if b is None else b.float() @ cw)
+            wu = _logit_sum(h, w, b, softcap, cw)
             tok = tok + eps / w.shape[0] * (lse * cw.sum() - wu) * keep
         denom = w_y.sum()
     z_tok = z_scale * lse.square() if z_scale else torch.zeros_like(tok)
@@ -242,15 +240,95 @@ def _safe_targets(y, keep, vocab):
     return y.masked_fill(~keep, 0).clamp(0, vocab - 1)
 
 
-def _smoothing_term(h, w, y, b, keep, reduction, u_y=None):
+def _smoothing_term(h, w, y, b, keep, reduction, u_y=None, softcap=None):
     """``u_y - mean_v u_v`` per token (0 at ignored ones), reduced like the loss; fp32.
-    ``u_y``: the target logits when the caller has them."""
+    ``u_y``: the target logits (capped under ``softcap``) when the caller has them."""
     if u_y is None:
-        u_y = _target_logit(h, w, _safe_targets(y, keep, w.shape[0]), b, None)
-    u_mean = h.float() @ w.float().mean(0)
-    if b is not None:
-        u_mean = u_mean + b.float().mean()
+        u_y = _target_logit(h, w, _safe_targets(y, keep, w.shape[0]), b, softcap)
+    u_mean = _logit_sum(h, w, b, softcap) / w.shape[0]
     return _reduce((u_y - u_mean) * keep, keep, reduction)
+
+
+def _logit_sum(h, w, b, softcap, cw=None):
+    """``sum_v cw_v u_v`` per row (``cw`` None: all 1), fp32 ``(N,)``. Uncapped logits are
+    linear in ``h``: one ``(N, H) x (H,)`` product. Capped: the chunked ``_CappedLogitSum``."""
+    if softcap is not None:
+        return _CappedLogitSum.apply(h, w, b, float(softcap), cw)
+    if cw is None:
+        return h.float() @ w.float().sum(0) + (0.0 if b is None else b.float().sum())
+    return h.float() @ (w.float().T @ cw) + (0.0 if b is None else b.float() @ cw)
+
+
+class _CappedLogitSum(torch.autograd.Function):
+    """``sum_v cw_v * c * tanh(z_v / c)`` per row of ``z = h W^T + b``, fp32 ``(N,)``.
+
+    Vocabulary x token blocks as in ``linear_logprobs`` (``_chunk_sizes``, one fp32 block
+    buffer): the forward keeps nothing but the inputs; the backward recomputes each block and
+    accumulates ``dz = g * cw * (1 - tanh^2)`` into ``dh`` (fp32), one ``(Vc, H)`` fp32 ``dW``
+    chunk at a time, and ``db`` (1 + 3 matmuls)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, cap, cw):
+        ctx.save_for_backward(h, w, b, cw)
+        ctx.cap = cap
+        out = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+        for vs, blocks in _capped_blocks(h, w, b, cap):
+            for sl, u in blocks:
+                out[sl] += u.sum(1) if cw is None else u @ cw[vs].float()
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, b, cw = ctx.saved_tensors
+        ng = ctx.needs_input_grad
+        f32 = dict(dtype=torch.float32, device=h.device)
+        dh = torch.zeros(h.shape, **f32) if ng[0] else None
+        dw = torch.empty_like(w) if ng[1] else None
+        db = torch.zeros(w.shape[0], **f32) if b is not None and ng[2] else None
+        fac = None
+        for vs, blocks in _capped_blocks(h, w, b, ctx.cap):
+            acc = None
+            if dw is not None:  # fp32 accumulator (in place for fp32 weights)
+                nv = vs.stop - vs.start
+                acc = (
+                    dw[vs].zero_()
+                    if w.dtype == torch.float32
+                    else torch.zeros(nv, h.shape[1], **f32)
+                )
+            for sl, u in blocks:
+                if fac is None:
+                    fac = torch.empty_like(u).view(-1)  # the first block is the largest
+                dz = lse_mod._cap_factor(fac, u, None, 1.0, ctx.cap).mul_(g[sl, None].float())
+                if cw is not None:
+                    dz.mul_(cw[vs].float())
+                if db is not None:
+                    db[vs] += dz.sum(0)
+                lse_mod._accumulate(dz, h[sl], w[vs], None if dh is None else dh[sl], acc)
+            if dw is not None and w.dtype != torch.float32:
+                dw[vs] = acc
+        dh = None if dh is None else dh.to(h.dtype)
+        return dh, dw, None if db is None else db.to(b.dtype), None, None
+
+
+def _capped_blocks(h, w, b, cap):
+    """Per vocabulary chunk: ``(vocab slice, blocks)``, ``blocks`` yielding ``(rows, u)`` with
+    ``u = cap * tanh((h W^T + b) / cap)`` of those rows and vocabulary (fp32, one reused
+    buffer: each ``u`` is valid until the next)."""
+    T, H = h.shape
+    V = w.shape[0]
+    tc, vc = lse_mod._chunk_sizes(T, H, V, h.device.type == "cpu")
+    buf = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
+    b_s = lse_mod._scaled_bias(b, 1.0, cap)
+
+    def blocks(vs):
+        bc = None if b_s is None else b_s[vs]
+        for t0 in range(0, T, tc):
+            sl = slice(t0, min(t0 + tc, T))
+            yield sl, lse_mod._block(buf, h[sl], w[vs], bc, 1.0, cap=cap)
+
+    for v0 in range(0, V, vc):
+        vs = slice(v0, min(v0 + vc, V))
+        yield vs, blocks(vs)
 
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
@@ -261,7 +339,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     Every keyword works: ``ce_weight``, ``ignore_index``, ``lse_square_scale`` (z-loss),
     ``label_smoothing``, ``reduction``, ``softcap``, ``use_token_scaling`` and the ``return_*``
     flags (then a :class:`CrossEntropyOutput`, as Liger); ``accum_dtype`` is accepted (gradients
-    are always accumulated in fp32). Softcap together with label smoothing is refused.
+    are always accumulated in fp32).
     """
 
     def __init__(
