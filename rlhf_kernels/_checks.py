@@ -41,6 +41,13 @@ def _remember(t: torch.Tensor, cu: list[int]) -> None:
     _VALIDATED[id(t)] = (weakref.ref(t), version, t.data_ptr(), cu)
 
 
+def forget_validated(*tensors: torch.Tensor | None) -> None:
+    """Drop cached validations, so the next check reads these tensors again."""
+    for t in tensors:
+        if t is not None:
+            _VALIDATED.pop(id(t), None)
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
     """Validate a ``cu_seqlens`` tensor against a packed length and return it as a Python list.
 

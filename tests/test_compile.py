@@ -279,6 +279,42 @@ def test_loss_op_fallback_matches_one_pass(loss, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_policy_loss_masked_nan_and_constant_inputs_on_every_path(monkeypatch):
+    """A NaN at a masked token (old log-prob or advantage of a pad) never leaks, whether a path
+    skips the row (compiled op, padded eager) or not (packed eager); old log-probs and
+    advantages are constants (no gradient) on every path: one pass, blocks, forward only."""
+    import rlhf_kernels as rk
+    from rlhf_kernels.ops import linear_logprobs as mod
+
+    g = torch.Generator().manual_seed(9)
+    h0, w0 = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    lab = torch.randint(0, V, (N,), generator=g)
+    m = torch.ones(N)
+    m[-5:] = 0
+    old = torch.randn(N, generator=g) * 0.2 - 4.0
+    old[-5:] = float("nan")
+    adv = torch.randn(N, generator=g)
+    adv[-3:] = float("nan")
+    f = lambda h, w, a: rk.linear_policy_loss(h, w, lab, old, a, m)  # noqa: E731
+    results = []
+    for fn in (f, _compiled(f)):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        a = adv.clone().requires_grad_()
+        loss = fn(h, w, a)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(h.grad).all() and a.grad is None
+        results.append((loss.detach(), h.grad, w.grad))
+    for x, y in zip(*results):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(mod, "_fits_one_pass", lambda *a: (False, 1))  # blocks + autograd
+    h, w, a = h0.clone().requires_grad_(), w0.clone(), adv.clone().requires_grad_()
+    loss = f(h, w, a)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), results[0][0], atol=1e-5, rtol=1e-5)
+    assert a.grad is None
+    assert not f(h0, w0, adv.clone().requires_grad_()).requires_grad  # forward only
+
+
 def test_compiled_ops_still_check_the_mask():
     """Traced, the 0/1 check runs in an op whose output the caller must use (else the graph
     drops it as dead code): policy loss, whiten, GAE / returns (padded and packed), unpad."""

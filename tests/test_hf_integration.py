@@ -176,6 +176,63 @@ def test_reused_buffers_written_without_version_bump(tmp_path_factory):
     torch.testing.assert_close(got[mask2], want[mask2], rtol=0, atol=0)
 
 
+def test_first_attention_layer_and_reused_cu_seq_lens(tmp_path_factory, monkeypatch):
+    """The per-forward caches are rebuilt at the smallest ``layer_idx`` seen per attention
+    class (hybrid models start attention past 0); ``cu_seq_lens_q/k`` kwargs are re-validated
+    there, so a reused device buffer is read once per forward (faked device here)."""
+    from rlhf_kernels import _checks
+
+    class Attn(torch.nn.Module):
+        def __init__(self, idx):
+            super().__init__()
+            self.layer_idx = idx
+
+    monkeypatch.setattr(hf, "_FIRST_LAYER", {})
+    assert [hf._first_layer(Attn(i)) for i in (3, 5, 7, 3, 5)] == [True, False, False, True, False]
+    assert hf._first_layer(Attn(None)) is False
+
+    monkeypatch.setattr(_checks, "_read_every_time", lambda t: False)  # cache as on CUDA
+    _, ours = _models("llama", tmp_path_factory)
+    ids = torch.randint(1, 50, (1, 12))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    reads = []
+    real = _checks.check_cu_seqlens
+
+    def counting(t, total, name="cu_seqlens"):
+        reads.append(_checks._cached(t) is None)
+        return real(t, total, name)
+
+    monkeypatch.setattr("rlhf_kernels.ops.varlen_attention.check_cu_seqlens", counting)
+    layers = ours.config.num_hidden_layers
+    once = [True] + [False] * (2 * layers - 1)  # q at the first layer; k is the same tensor
+    with torch.no_grad():
+        ours(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+        assert reads == once
+        cu.numpy()[1] = 2  # no version bump
+        reads.clear()
+        got = ours(
+            input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=10, max_length_k=10
+        ).logits
+        assert reads == once
+        want = ours(input_ids=ids, position_ids=torch.tensor([[0, 1] + list(range(10))])).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # RoPE: relative, up to rounding
+
+
+def test_inference_mode_forward_with_position_ids(tmp_path_factory):
+    """Inference tensors have no version counter: the caches still work (before: RuntimeError)."""
+    _, ours = _models("llama", tmp_path_factory)
+    ids = torch.randint(1, 50, (1, 12))
+    pos = [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    with torch.no_grad():
+        want = ours(input_ids=ids, position_ids=torch.tensor(pos)).logits
+    with torch.inference_mode():
+        got = ours(input_ids=ids, position_ids=torch.tensor(pos)).logits
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, :5] = 0
+        ours(input_ids=ids.expand(2, -1), attention_mask=mask, use_cache=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_rejects_masks_it_cannot_honour(tmp_path_factory):
     _, ours = _models("mistral_sliding", tmp_path_factory)
     ids = torch.randint(0, VOCAB, (1, 12))

@@ -252,7 +252,9 @@ def test_cu_seqlens_validation_is_cached_but_sees_in_place_edits(monkeypatch):
         check_cu_seqlens(cu, 7)
     cu[1] = 3
     assert check_cu_seqlens(cu, 7) == [0, 3, 7]
-    cu.set_(_cu([1, 6]))  # new storage (version kept): re-read
+    version = cu._version
+    cu.data = _cu([1, 6])  # new storage, version kept: re-read (the data pointer changed)
+    assert cu._version == version
     assert check_cu_seqlens(cu, 7) == [0, 1, 7]
 
 

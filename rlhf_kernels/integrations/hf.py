@@ -19,10 +19,11 @@ The attention function picks, in order:
    (padding query rows give 0). Each row's real tokens are one sequence: ``position_ids`` are
    not read here, so do not combine padding with several samples packed in one row (pack
    without a mask instead).
-3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`.
+3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`
+   (validated at the first attention layer of each forward, cached for the others).
 4. ``position_ids``: a new sample starts wherever ``pos[t] != pos[t - 1] + 1`` (transformers'
-   own packed-sequence rule). Computed at the first layer (``layer_idx`` 0) of each forward and
-   reused by the others.
+   own packed-sequence rule). Computed at the first attention layer (smallest ``layer_idx``) of
+   each forward and reused by the others.
 5. Otherwise every batch row is one sequence (query rows aligned to the end of the keys).
 
 Sliding window: transformers' layers see key ``j`` from query ``i`` when
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+from rlhf_kernels._checks import forget_validated
 from rlhf_kernels.ops.varlen_attention import BACKENDS, varlen_attention
 from rlhf_kernels.packing import IGNORE_INDEX, pack_sequences
 
@@ -116,7 +118,7 @@ def _segments_from_position_ids(
     """
     with _POS_CACHE_LOCK:
         hit = None if refresh else _POS_CACHE[0]
-        if hit is not None and hit[0]() is pos and hit[1] == pos._version and hit[2] == pos.shape:
+        if hit is not None and hit[0]() is pos and hit[1] == _version(pos) and hit[2] == pos.shape:
             return hit[3]
     seq = pos.shape[-1]
     flat = pos.reshape(-1)
@@ -129,15 +131,35 @@ def _segments_from_position_ids(
     cu = bounds.to(torch.int32)
     result = (cu, int(bounds.diff().max()))
     with _POS_CACHE_LOCK:
-        _POS_CACHE[0] = (weakref.ref(pos), pos._version, pos.shape, result)
+        _POS_CACHE[0] = (weakref.ref(pos), _version(pos), pos.shape, result)
     return result
 
 
+_FIRST_LAYER: dict[type, int] = {}  # attention class -> smallest layer_idx seen
+
+
 def _first_layer(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a model's first attention layer (transformers' ``layer_idx`` 0),
-    where a forward's per-forward caches are rebuilt. Models without ``layer_idx`` rely on
-    the version counter alone."""
-    return getattr(module, "layer_idx", None) == 0
+    """Whether ``module`` is a model's first attention layer: the smallest transformers
+    ``layer_idx`` seen for its class (hybrid models start attention past layer 0; a shared
+    block reused with one index refreshes at every call). There a forward's per-forward caches
+    are rebuilt. Models without an integer ``layer_idx`` rely on the version counter alone."""
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(idx, int):
+        return False
+    first = _FIRST_LAYER.get(type(module))
+    if first is None or idx <= first:
+        _FIRST_LAYER[type(module)] = idx
+        return True
+    return False
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t._version``; None for inference tensors (no version counter: the caches then rely
+    on identity and the first-layer refresh)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
@@ -255,6 +277,8 @@ def rlhf_attention_forward(
                 f"got batch {bsz}, cu_seq_lens_q given {cu_q is not None}, "
                 f"cu_seq_lens_k given {cu_k is not None}"
             )
+        if _first_layer(module):  # once per forward: re-read reused (device) buffers
+            forget_validated(cu_q, cu_k)
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         out = varlen_attention(
             q,
@@ -333,11 +357,11 @@ def _padded_layout(mask, s_q: int, s_k: int, windowed: bool):
     key = (s_q, s_k, windowed, mask.shape)
     with _MASK_CACHE_LOCK:
         hit = _MASK_CACHE[0]
-        if hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == key:
+        if hit is not None and hit[0]() is mask and hit[1] == _version(mask) and hit[2] == key:
             return hit[3]
     layout = _padded_layout_uncached(mask, s_q, s_k, windowed)
     with _MASK_CACHE_LOCK:
-        _MASK_CACHE[0] = (weakref.ref(mask), mask._version, key, layout)
+        _MASK_CACHE[0] = (weakref.ref(mask), _version(mask), key, layout)
     return layout
 
 

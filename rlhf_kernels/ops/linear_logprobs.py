@@ -541,18 +541,26 @@ def _token_loss(wt, ppo=None):
     """``(loss(logp, rows), grad(logp, rows))``: ``sum(wt * f(logp))`` over ``rows`` and its
     gradient in ``logp``, with ``f = -logp`` (NLL) or, given ``ppo = (old_logp, advantages,
     clip_low, clip_high, dual_clip)``, the PPO clipped token loss. ``wt`` (and the PPO tensors)
-    are per row."""
+    are per row. A row with ``wt == 0`` adds exactly 0 (a NaN there does not leak), whether a
+    path skips it or not."""
     if ppo is None:
-        return (lambda logp, sl: -(wt[sl] * logp).sum()), (lambda logp, sl: -wt[sl])
-    from rlhf_kernels.ops.losses import _ppo_token_grad, _ppo_token_loss
+        tok, tok_grad = (lambda lp, sl: -lp), (lambda lp, sl: -torch.ones_like(lp))
+    else:
+        from rlhf_kernels.ops.losses import _ppo_token_grad, _ppo_token_loss
 
-    ref, adv, lo, hi, dual = ppo
+        ref, adv, lo, hi, dual = ppo
 
-    def loss(logp, sl):
-        return (_ppo_token_loss(logp, ref[sl], adv[sl], lo, hi, dual)[0] * wt[sl]).sum()
+        def tok(lp, sl):
+            return _ppo_token_loss(lp, ref[sl], adv[sl], lo, hi, dual)[0]
 
-    def grad(logp, sl):
-        return _ppo_token_grad(logp, ref[sl], adv[sl], lo, hi, dual) * wt[sl]
+        def tok_grad(lp, sl):
+            return _ppo_token_grad(lp, ref[sl], adv[sl], lo, hi, dual)
+
+    def grad(lp, sl):
+        return torch.where(wt[sl] != 0, tok_grad(lp, sl) * wt[sl], 0.0)
+
+    def loss(lp, sl):
+        return torch.where(wt[sl] != 0, tok(lp, sl) * wt[sl], 0.0).sum()
 
     return loss, grad
 
@@ -816,7 +824,8 @@ def linear_policy_loss(
         hidden, weight, labels, bias, temperature, softcap: as :func:`linear_logprobs`: packed
             ``(T, H)`` tokens or a padded ``(B, T, H)`` batch; ``labels[..., t]`` is the
             sampled token scored at position ``t``.
-        old_logp, advantages: float, labels' shape: behaviour-policy log-probs and advantages.
+        old_logp, advantages: float, labels' shape: behaviour-policy log-probs and advantages
+            (constants: no gradient flows to them).
         mask: labels' shape, 0/1 tokens that count (default all; required for padded input
             with a ``seq-mean-*`` aggregation, whose sequences are then the rows).
         cu_seqlens: ``(S + 1,)`` sequence boundaries of the packed layout, needed by the
@@ -855,7 +864,8 @@ def linear_policy_loss(
         wt = losses._token_weights(m, seq, n_seq, aggregation)
     else:
         wt = m / _token_count(m, group)
-    ref, adv = old_logp.reshape(-1).float(), advantages.reshape(-1).float()
+    # constants of the loss (no gradient), on every path
+    ref, adv = old_logp.detach().reshape(-1).float(), advantages.detach().reshape(-1).float()
     hidden, lab, (wt, bad, ref, adv) = _live_rows(
         hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad, ref, adv)
     )
@@ -879,7 +889,7 @@ def _live_rows(hidden, lab, wt, padded, more=()):
     """Padded input: keep only the rows that count (``wt != 0``), so pads cost no matmul.
 
     Eager only (a data-dependent row count would break a torch.compile graph; there
-    ``linear_nll_loss``'s op skips the rows at run time); the gradient of the dropped rows is 0
+    the scalar losses' op skips the rows at run time); the gradient of the dropped rows is 0
     either way. Returns ``(hidden, lab, (wt, *more))`` row-selected."""
     if not padded or torch.compiler.is_compiling():
         return hidden, lab, (wt, *more)
