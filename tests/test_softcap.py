@@ -160,21 +160,35 @@ def test_cross_entropy_softcap_with_label_smoothing(reduction, extra, monkeypatc
         torch.testing.assert_close(o.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_cross_entropy_softcap_smoothing_bf16_within_twice_torch():
-    g = torch.Generator().manual_seed(8)
-    x = (torch.randn(64, 128, generator=g) * 2).bfloat16()
-    w = (torch.randn(700, 128, generator=g) / 11).bfloat16()
-    y = torch.randint(0, 700, (64,), generator=g)
+def _bf16_case(seed, H, V, w_scale):
+    """64 bf16 rows ``x (64, H)``, weight ``(V, H)``, targets ``y``."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(64, H, generator=g) * 2).bfloat16()
+    w = (torch.randn(V, H, generator=g) / w_scale).bfloat16()
+    return x, w, torch.randint(0, V, (64,), generator=g)
 
-    def torch_loss(x, w):
-        z = F.linear(x, w)
-        z = CAP * torch.tanh((z.float() if x.dtype != torch.float64 else z) / CAP)
-        return F.cross_entropy(z, y, label_smoothing=0.1)
 
+def _assert_within_twice_torch(ours, torch_loss, x, w):
+    """``|ours - float64| <= 2 |plain torch in x's dtype (fp32 logits) - float64|``."""
     ref = torch_loss(x.double(), w.double())
-    ours = fused_linear_cross_entropy(x, w, y, label_smoothing=0.1, softcap=CAP)
     plain = torch_loss(x, w)
     assert abs(ours.double() - ref) <= 2 * abs(plain.double() - ref) + 1e-6
+
+
+def _logits(x, w):
+    z = F.linear(x, w)
+    return z if x.dtype == torch.float64 else z.float()
+
+
+def test_cross_entropy_softcap_smoothing_bf16_within_twice_torch():
+    x, w, y = _bf16_case(8, 128, 700, 11)
+
+    def torch_loss(x, w):
+        z = CAP * torch.tanh(_logits(x, w) / CAP)
+        return F.cross_entropy(z, y, label_smoothing=0.1)
+
+    ours = fused_linear_cross_entropy(x, w, y, label_smoothing=0.1, softcap=CAP)
+    _assert_within_twice_torch(ours, torch_loss, x, w)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -220,19 +234,14 @@ def test_cross_entropy_z_loss_matches_torch(reduction, variant):
 
 
 def test_z_loss_bf16_within_twice_torch_and_zero_weight():
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(64, 256, generator=g) * 2).bfloat16()
-    w = (torch.randn(500, 256, generator=g) / 16).bfloat16()
-    y = torch.randint(0, 500, (64,), generator=g)
+    x, w, y = _bf16_case(7, 256, 500, 16)
 
     def torch_loss(x, w):
-        z = F.linear(x, w).float() if x.dtype != torch.float64 else F.linear(x, w)
+        z = _logits(x, w)
         return F.cross_entropy(z, y) + 1e-2 * torch.logsumexp(z, -1).square().mean()
 
-    ref = torch_loss(x.double(), w.double())
     ours = fused_linear_cross_entropy(x, w, y, lse_square_scale=1e-2)
-    plain = torch_loss(x, w)
-    assert abs(ours.double() - ref) <= 2 * abs(plain.double() - ref) + 1e-6
+    _assert_within_twice_torch(ours, torch_loss, x, w)
     # weight 0: the one-pass loss, and a zero z term
     out = fused_linear_cross_entropy(x, w, y, return_z_loss=True)
     assert out.z_loss.item() == 0.0

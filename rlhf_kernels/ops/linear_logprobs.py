@@ -906,8 +906,6 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
     ``rlhf_kernels::linear_loss_fwd`` op, which also skips rows with ``wt == 0``), else
     ``linear_logprobs`` + autograd; forward only without grad."""
     T, H = hidden.shape
-    token_loss = _token_loss(wt, ppo)
-    loss_fn = token_loss[0]
     cap = None if softcap is None else float(softcap)
     if torch.compiler.is_compiling():  # traced: one opaque op, gradients made in its forward
         from rlhf_kernels.ops.compiled import linear_loss_fwd
@@ -919,6 +917,8 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
             hidden, weight, bias, lab, wt, ref, adv, float(lo), float(hi),
             None if dual is None else float(dual), float(temperature), cap, needs,
         )[0]  # fmt: skip
+    token_loss = _token_loss(wt, ppo)
+    loss_fn = token_loss[0]
     if not _grad_wanted(hidden, weight, bias):  # forward only, nothing saved
         logp = _logprobs_no_grad(hidden, weight, lab, bias, temperature, cap)
         return loss_fn(logp, slice(0, T))
