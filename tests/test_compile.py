@@ -365,3 +365,47 @@ def test_nll_op_without_gradients_runs_no_backward_pass(monkeypatch):
     torch.testing.assert_close(loss, want[0])
     ref = -(wt * torch.log_softmax(h @ w.T, -1).gather(1, lab[:, None])[:, 0]).sum()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_padded_rl_math_compiles_under_inductor():
+    """The default backend (inductor, CPU code generation), padded (B, T) layout: sequence
+    means over rows compiled to an index_add by row ids that inductor's CPU code generation
+    failed on (AssertionError in CppKernel.store); they are row sums now. Values and
+    gradients equal eager for the policy losses, value loss, whitening and GAE."""
+    import rlhf_kernels as rk
+
+    g = torch.Generator().manual_seed(11)
+    B, T = 4, 10
+    lab = torch.randint(0, V, (B, T), generator=g)
+    old = -torch.rand(B, T, generator=g) * 3
+    adv = torch.randn(B, T, generator=g)
+    m = (torch.rand(B, T, generator=g) > 0.2).float()
+    m[2] = 0  # a fully masked row: not counted by the sequence means
+    h0, w0 = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    cases = {
+        f"linear_policy_loss/{agg}": lambda h, w, agg=agg: rk.linear_policy_loss(
+            h, w, lab, old, adv, m, aggregation=agg, clip_high=0.28
+        )
+        for agg in ("seq-mean-token-mean", "seq-mean-token-sum")
+    }
+    cases.update({
+        f"policy_loss/{agg}": lambda h, w, agg=agg: rk.policy_loss(
+            h[..., 0] - 3, old, adv, m, aggregation=agg, dual_clip=3.0
+        )
+        for agg in ("seq-mean-token-mean", "seq-mean-token-sum")
+    })  # fmt: skip
+    cases["value_loss+whiten+gae"] = lambda h, w: (
+        rk.value_loss(h[..., 0], old, rk.whiten(h[..., 1], m), m, clip=0.2)
+        + sum(t.square().mean() for t in rk.gae(h[..., 2], h[..., 3], gamma=0.9, lam=0.8, mask=m))
+    )
+    for name, f in cases.items():
+        torch._dynamo.reset()
+        results = []
+        for fn in (f, torch.compile(f, fullgraph=True)):
+            h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+            loss = fn(h, w)
+            loss.backward()
+            results.append((loss.detach(), h.grad, w.grad))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)

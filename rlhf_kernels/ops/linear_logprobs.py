@@ -857,7 +857,8 @@ def linear_policy_loss(
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])
     lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
-    m, seq = m.reshape(-1), seq.reshape(-1)
+    m = m.reshape(-1)
+    seq = None if seq is None else seq.reshape(-1)
     if ignored is not None:  # a token with no label does not count
         m = m.masked_fill(ignored, 0.0)
     if group is None:

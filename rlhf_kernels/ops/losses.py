@@ -59,7 +59,8 @@ def _check_float(**tensors):
 
 
 def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
-    """Validate; return (float mask of ref's shape, seq ids (same shape), number of sequences).
+    """Validate; return (float mask of ref's shape, seq ids (same shape, or None for the padded
+    (B, T) layout, whose sequences are the rows), number of sequences).
 
     A packed 1-D input without ``cu_seqlens`` is fine for token means (``aggregation`` None or
     ``"token-mean"``: one stream); a sequence-level aggregation then needs the boundaries."""
@@ -99,8 +100,7 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
                 f"with a mask and no cu_seqlens, {ref_name} must be padded 2-D "
                 f"(B, T), got shape {tuple(ref.shape)}"
             )
-        seq = torch.arange(ref.shape[0], device=ref.device)[:, None].expand_as(ref)
-        n_seq = ref.shape[0]
+        seq, n_seq = None, ref.shape[0]  # the rows
     else:
         raise ValueError(
             f"{ref_name} of shape {tuple(ref.shape)} needs mask (padded (B, T) layout: which "
@@ -122,12 +122,18 @@ def _token_weights(m, seq, n_seq, aggregation):
     if n_seq == 0:
         return torch.zeros_like(m)
     cdt = torch.promote_types(m.dtype, torch.float32)  # exact counts even for bf16 masks
-    count = torch.zeros(n_seq, dtype=cdt, device=m.device)
-    count = count.index_add(0, seq.reshape(-1), m.reshape(-1).to(cdt))
+    if seq is None:  # padded: sequence i is row i; a row sum (inductor's CPU code generation
+        rows = m.reshape(n_seq, m.numel() // n_seq).to(cdt)  # fails on index_add by row ids)
+        count = rows.sum(1)
+        per_token = count.clamp_min(1)[:, None].expand_as(rows).reshape(m.shape)
+    else:
+        count = torch.zeros(n_seq, dtype=cdt, device=m.device)
+        count = count.index_add(0, seq.reshape(-1), m.reshape(-1).to(cdt))
+        per_token = count.clamp_min(1)[seq]
     n_live = (count > 0).sum().clamp_min(1).to(cdt)  # sequences that count, no host sync
     if aggregation == "seq-mean-token-sum":
         return (m / n_live).to(m.dtype)
-    return (m / (count.clamp_min(1)[seq] * n_live)).to(m.dtype)  # seq-mean-token-mean
+    return (m / (per_token * n_live)).to(m.dtype)  # seq-mean-token-mean
 
 
 def _ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
