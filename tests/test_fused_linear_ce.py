@@ -56,7 +56,7 @@ def test_clear_errors():
         FusedLinearCrossEntropyLoss(reduction="avg")
     with pytest.raises(ValueError, match="softcap must be None or > 0"):
         FusedLinearCrossEntropyLoss(softcap=0.0)
-    with pytest.raises(ValueError, match="target must have _input's leading shape"):
+    with pytest.raises(ValueError, match="target must have input's leading shape"):
         fused_linear_cross_entropy(x, w, y.view(-1))
     with pytest.raises(ValueError, match="labels must lie in"):
         fused_linear_cross_entropy(x, w, y.clamp(min=0) + 1000)

@@ -270,6 +270,49 @@ def test_liger_constructor_order_and_bad_keywords():
             linear_logprobs(h, w, labels, softcap=bad)
 
 
+LIGER_FUNCTIONAL = (  # liger_kernel.transformers.functional.liger_fused_linear_cross_entropy
+    "input", "weight", "target", "bias", "ce_weight", "ignore_index", "lse_square_scale",
+    "label_smoothing", "reduction", "softcap", "return_z_loss", "accum_dtype",
+    "use_token_scaling", "return_token_accuracy", "return_predicted_tokens", "chunk_mem_const",
+)  # fmt: skip
+
+
+def test_functional_has_liger_signature():
+    """``fused_linear_cross_entropy`` takes liger-kernel 0.8.5's functional parameters in its
+    positional order (it took ignore_index fifth, where Liger takes ce_weight): a positional
+    call written for Liger means the same here."""
+    import inspect
+
+    params = tuple(inspect.signature(fused_linear_cross_entropy).parameters)
+    assert params == LIGER_FUNCTIONAL
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        pass
+    else:  # installed: the same names as the installed version's
+        assert params == tuple(inspect.signature(liger_fused_linear_cross_entropy).parameters)
+    h, w, b, labels = _inputs()
+    labels[::3] = -100
+    cw = torch.linspace(0.5, 2.0, V)
+    args = (h, w, labels, b, cw, -100, 1e-3, 0.1, "sum", 5.0, True, torch.float32, True, True)
+    positional = fused_linear_cross_entropy(*args, True, 2)
+    keywords = fused_linear_cross_entropy(
+        **dict(zip(LIGER_FUNCTIONAL, args)), return_predicted_tokens=True, chunk_mem_const=2
+    )
+    module = FusedLinearCrossEntropyLoss(*args[4:])(w, h, labels, b)
+    for out in (keywords, module):
+        for f in ("loss", "z_loss", "token_accuracy"):
+            torch.testing.assert_close(getattr(out, f), getattr(positional, f), rtol=0, atol=0)
+    torch.testing.assert_close(keywords.predicted_tokens, positional.predicted_tokens)
+    assert module.predicted_tokens is None  # Liger's module has no such flag
+    with pytest.raises(ValueError, match=rf"ce_weight must be a \({V},\) tensor"):
+        fused_linear_cross_entropy(h, w, labels, b, -100)  # the old order's ignore_index
+    with pytest.raises(TypeError, match="accum_dtype must be None or a floating"):
+        fused_linear_cross_entropy(h, w, labels, accum_dtype=torch.int32)
+    with pytest.raises(ValueError, match="chunk_mem_const must be a positive int"):
+        fused_linear_cross_entropy(h, w, labels, chunk_mem_const=0)
+
+
 def test_gemma2_fused_sft_loss_equals_model_loss(tmp_path):
     """A real Gemma 2 (final_logit_softcapping): the fused loss on its hidden states and
     lm_head weight equals the model's own loss, gradients included."""

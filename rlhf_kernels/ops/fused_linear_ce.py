@@ -52,60 +52,76 @@ class CrossEntropyOutput:
 
 
 def fused_linear_cross_entropy(
-    _input: torch.Tensor,
+    input: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
+    ce_weight: torch.Tensor | None = None,
     ignore_index: int = -100,
+    lse_square_scale: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     softcap: float | None = None,
-    lse_square_scale: float = 0.0,
     return_z_loss: bool = False,
-    *,
-    ce_weight: torch.Tensor | None = None,
+    accum_dtype: torch.dtype | None = None,
     use_token_scaling: bool = False,
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
+    chunk_mem_const: int = 1,
 ) -> torch.Tensor | CrossEntropyOutput:
-    """``F.cross_entropy(F.linear(_input, weight, bias), target, ...)`` without the logits.
+    """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without the logits.
+
+    A drop-in for ``liger_kernel.transformers.functional.liger_fused_linear_cross_entropy``:
+    liger-kernel 0.8.5's parameters, in its positional order.
 
     Args:
-        _input: ``(..., H)`` hidden states (any leading shape), fp32/bf16/fp16.
-        weight: ``(V, H)`` lm_head weight, ``_input``'s dtype. bias: optional ``(V,)``.
-        target: int64 ``(...)`` (``_input``'s leading shape) ids in ``[0, V)`` or
+        input: ``(..., H)`` hidden states (any leading shape), fp32/bf16/fp16.
+        weight: ``(V, H)`` lm_head weight, ``input``'s dtype. bias: optional ``(V,)``.
+        target: int64 ``(...)`` (``input``'s leading shape) ids in ``[0, V)`` or
             ``ignore_index``; those tokens count in no reduction (as in ``F.cross_entropy``).
+        ce_weight: optional floating ``(V,)`` class weights, ``F.cross_entropy``'s ``weight``.
+        lse_square_scale: z-loss weight ``s >= 0``: ``s * logsumexp(logits)^2`` is added per
+            counted token (Liger's meaning), reduced like the loss (``"mean"``: over tokens).
         label_smoothing: in ``[0, 1]``, ``F.cross_entropy``'s meaning.
         reduction: ``"mean"`` (over non-ignored tokens; 0 if none), ``"sum"`` or ``"none"``
             (``target``'s shape, 0 at ignored tokens).
         softcap: ``None`` or ``c > 0``: logits ``c * tanh(z / c)`` (as Liger and Gemma 2).
-        lse_square_scale: z-loss weight ``s >= 0``: ``s * logsumexp(logits)^2`` is added per
-            counted token (Liger's meaning), reduced like the loss (``"mean"``: over tokens).
         return_z_loss: also return that reduced z-loss term (detached, for logging).
-        ce_weight: optional floating ``(V,)`` class weights, ``F.cross_entropy``'s ``weight``.
+        accum_dtype: ``None`` or a floating dtype; accepted for Liger's signature: gradients
+            are always accumulated in fp32.
         use_token_scaling: scale each token's loss (and z-loss) by its detached target
             probability (Liger's meaning).
         return_token_accuracy: also return whether the argmax logit is the target (mean over
             counted tokens; per token, 0 at ignored ones, for ``"none"``).
         return_predicted_tokens: also return the argmax token per position (-1 at ignored ones).
+        chunk_mem_const: a positive int; accepted for Liger's signature: chunk sizes here
+            follow a fixed memory bound (``linear_logprobs``'s ``_chunk_sizes``).
     Returns: float32 loss (``target``'s shape for ``"none"``); with any ``return_*`` flag a
         :class:`CrossEntropyOutput` (Liger's), whose unrequested fields are None.
     """
+    if accum_dtype is not None and not (
+        isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point
+    ):
+        raise TypeError(f"accum_dtype must be None or a floating torch.dtype, got {accum_dtype!r}")
+    if isinstance(chunk_mem_const, bool) or not isinstance(chunk_mem_const, int):
+        raise TypeError(f"chunk_mem_const must be a positive int, got {chunk_mem_const!r}")
+    if chunk_mem_const < 1:
+        raise ValueError(f"chunk_mem_const must be a positive int, got {chunk_mem_const!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not lse_square_scale >= 0.0:
         raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
-    if not isinstance(_input, torch.Tensor) or _input.dim() < 1:
-        raise ValueError(f"_input must be a (..., H) tensor, got {type(_input).__name__}")
-    if not isinstance(target, torch.Tensor) or target.shape != _input.shape[:-1]:
+    if not isinstance(input, torch.Tensor) or input.dim() < 1:
+        raise ValueError(f"input must be a (..., H) tensor, got {type(input).__name__}")
+    if not isinstance(target, torch.Tensor) or target.shape != input.shape[:-1]:
         raise ValueError(
-            f"target must have _input's leading shape {tuple(_input.shape[:-1])}, got "
+            f"target must have input's leading shape {tuple(input.shape[:-1])}, got "
             f"{tuple(getattr(target, 'shape', ()))}"
         )
     _check_ce_weight(ce_weight, weight)
-    h, y = _input.reshape(-1, _input.shape[-1]), target.reshape(-1)
+    h, y = input.reshape(-1, input.shape[-1]), target.reshape(-1)
     keep = y != ignore_index
     z_loss = None
     if lse_square_scale or ce_weight is not None or use_token_scaling:
@@ -379,9 +395,8 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
 
     def forward(self, lin_weight, _input, target, bias=None):
         return fused_linear_cross_entropy(
-            _input, lin_weight, target, bias, self.ignore_index, self.label_smoothing,
-            self.reduction, self.softcap, self.lse_square_scale, self.return_z_loss,
-            ce_weight=self.ce_weight, use_token_scaling=self.use_token_scaling,
-            return_token_accuracy=self.return_token_accuracy,
-            return_predicted_tokens=self.return_predicted_tokens,
+            _input, lin_weight, target, bias, self.ce_weight, self.ignore_index,
+            self.lse_square_scale, self.label_smoothing, self.reduction, self.softcap,
+            self.return_z_loss, self.accum_dtype, self.use_token_scaling,
+            self.return_token_accuracy, self.return_predicted_tokens,
         )  # fmt: skip
