@@ -21,6 +21,8 @@ _EXPORTS = {
     "sequence_to_tokens": "rlhf_kernels.padding",
     # attention
     "varlen_attention": "rlhf_kernels.ops.varlen_attention",
+    "flash_attn_varlen_func": "rlhf_kernels.ops.flash_compat",
+    "flash_attn_func": "rlhf_kernels.ops.flash_compat",
     # RL math
     "logprobs_from_logits": "rlhf_kernels.ops.logprobs",
     "linear_logprobs": "rlhf_kernels.ops.linear_logprobs",

@@ -59,13 +59,14 @@ def varlen_attention_fwd(
     right: int,
     softcap: float,
     backend: str,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     from rlhf_kernels.ops.varlen_attention import varlen_attention
 
     res = varlen_attention(
         q, k, v, cu_q, cu_k, max_q if max_q >= 0 else None, max_k if max_k >= 0 else None,
         softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap,
-        return_lse=backend == "triton", backend=backend,
+        return_lse=backend == "triton", backend=backend, deterministic=deterministic,
     )  # fmt: skip
     if backend == "triton":
         return res[0].clone(), res[1].clone()  # outputs must not alias (eager) internals
@@ -73,7 +74,7 @@ def varlen_attention_fwd(
 
 
 @varlen_attention_fwd.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, backend):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, backend, det):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     if backend == "triton":
         return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
@@ -96,6 +97,7 @@ def varlen_attention_bwd(
     right: int,
     softcap: float,
     backend: str,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
         from rlhf_kernels.ops.varlen_attention_triton import varlen_attention_triton_backward
@@ -112,7 +114,7 @@ def varlen_attention_bwd(
     def fwd(q, k, v):
         return varlen_attention(
             q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal, window_size=(left, right),
-            softcap=softcap, backend=backend,
+            softcap=softcap, backend=backend, deterministic=deterministic,
         )  # fmt: skip
 
     # recompute this backend's forward and differentiate it (torch.func: the op body runs
@@ -122,21 +124,21 @@ def varlen_attention_bwd(
 
 
 @varlen_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, backend):
+def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, backend, det):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, _, _, scale, causal, left, right, softcap, backend = inputs
+    q, k, v, cu_q, cu_k, _, _, *params = inputs  # scale, causal, ..., backend, deterministic
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
-    ctx.params = (scale, causal, left, right, softcap, backend)
+    ctx.params = tuple(params)
 
 
 def _backward(ctx, dout, dlse):
     del dlse  # lse is not differentiable (as in the eager path)
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = varlen_attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.params)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * 11
 
 
 torch.library.register_autograd(
@@ -182,13 +184,14 @@ def _(mask, s_q, s_k, windowed):
 
 
 def compiled_varlen_attention(
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_size, softcap, return_lse, backend
-):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_size, softcap, return_lse, backend,
+    deterministic=False,
+):  # fmt: skip
     """The traced path of ``varlen_attention`` (backend already resolved, no dropout)."""
     out, lse = varlen_attention_fwd(
         q, k, v, cu_q, cu_k, -1 if max_q is None else int(max_q),
         -1 if max_k is None else int(max_k), float(scale), bool(causal), int(window_size[0]),
-        int(window_size[1]), float(softcap), backend,
+        int(window_size[1]), float(softcap), backend, bool(deterministic),
     )  # fmt: skip
     if not return_lse:
         return out

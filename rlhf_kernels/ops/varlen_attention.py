@@ -347,6 +347,7 @@ def varlen_attention(
     softcap=0.0,
     return_lse=False,
     backend="auto",
+    deterministic=False,
 ):
     """Attention over packed sequences; a drop-in for ``flash_attn_varlen_func``.
 
@@ -367,6 +368,9 @@ def varlen_attention(
         return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32 (natural log of the
             masked, scaled, capped scores' exp-sum; ``-inf`` for a query that sees no key).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"flash_attn"``.
+        deterministic: flash-attn's flag (a deterministic, slower backward) for the
+            ``flash_attn`` backend; ``triton``'s backward is always deterministic, ``torch``'s
+            follows ``torch.use_deterministic_algorithms``.
 
     Returns:
         out ``(total_q, heads, head_dim)`` in q's dtype, or ``(out, lse)``. Differentiable in
@@ -383,6 +387,7 @@ def varlen_attention(
         return compiled_varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
             _window_pair(window_size), softcap, return_lse, resolve_backend(backend, q, dropout_p),
+            bool(deterministic),
         )  # fmt: skip
     cu_q, cu_k = _check_inputs(
         q,
@@ -441,6 +446,7 @@ def varlen_attention(
         window_size,
         float(softcap),
         return_lse,
+        bool(deterministic),
     )
 
 
@@ -472,6 +478,7 @@ def _flash_attn_varlen(
     window_size,
     softcap,
     return_lse,
+    deterministic,
 ):
     """flash-attn's ``flash_attn_varlen_func``, its lse brought to this module's convention.
 
@@ -496,6 +503,7 @@ def _flash_attn_varlen(
         causal=causal,
         window_size=window_size,
         softcap=softcap,
+        deterministic=deterministic,
         return_attn_probs=return_lse,
     )
     out, lse = (res[0], res[1]) if return_lse else (res, None)
