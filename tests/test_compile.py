@@ -393,7 +393,7 @@ def test_padded_rl_math_compiles_under_inductor():
         f"policy_loss/{agg}": lambda h, w, agg=agg: rk.policy_loss(
             h[..., 0] - 3, old, adv, m, aggregation=agg, dual_clip=3.0
         )
-        for agg in ("seq-mean-token-mean", "seq-mean-token-sum")
+        for agg in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
     })  # fmt: skip
     cases["value_loss+whiten+gae"] = lambda h, w: (
         rk.value_loss(h[..., 0], old, rk.whiten(h[..., 1], m), m, clip=0.2)

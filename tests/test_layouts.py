@@ -11,7 +11,7 @@ from rlhf_kernels.ops.gae import gae_reference
 from rlhf_kernels.ops.losses import policy_loss, value_loss
 
 B, T, H, V = 3, 9, 16, 37
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def _padded(seed=0, dtype=torch.float64):
@@ -89,6 +89,8 @@ def test_linear_policy_loss_padded_equals_packed_and_unfused(aggregation):
         assert torch.allclose(a.double(), b, atol=1e-6)
     # packed: the same tokens with cu_seqlens as a list
     (ph, pl, po, pa), cu = _pack(mask, hidden, labels, old, adv)
+    if aggregation == "seq-mean-token-sum-norm":  # the padded default: the rows' length
+        kw["norm_length"] = labels.shape[-1]
     packed = rk.linear_policy_loss(ph, weight, pl, po, pa, cu_seqlens=cu, **kw)
     assert torch.allclose(packed, loss, atol=1e-7)
 

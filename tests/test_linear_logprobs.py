@@ -168,7 +168,9 @@ def test_cuda_bf16_within_twice_torch():
 
 
 @pytest.mark.parametrize("small_budget", [False, True])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_linear_policy_loss_matches_composition(small_budget, agg, monkeypatch):
     from rlhf_kernels.ops.losses import policy_loss
 
@@ -182,6 +184,8 @@ def test_linear_policy_loss_matches_composition(small_budget, agg, monkeypatch):
     mask = torch.rand(T) > 0.2
     cu = torch.tensor([0, 10, 40, 67])
     kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, aggregation=agg, cu_seqlens=cu)
+    if agg == "seq-mean-token-sum-norm":
+        kw["norm_length"] = 48
     args = [t.detach().clone().requires_grad_() for t in (h, w, b)]
     loss = lp_mod.linear_policy_loss(
         args[0], args[1], labels, old, adv, mask, bias=args[2], temperature=0.9, **kw

@@ -36,10 +36,14 @@ def _ref_policy(logp, old, adv, mask, lo, hi, dual, agg):
             per_seq.append(s / n if agg == "seq-mean-token-mean" else s)
     if agg == "token-mean":
         return tot / cnt
+    if agg == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant, every row counts
+        return tot / (logp.shape[0] * logp.shape[1])
     return sum(per_seq) / len(per_seq)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 @pytest.mark.parametrize("lo,hi,dual", [(0.2, 0.2, None), (0.1, 0.28, 3.0)])
 def test_policy_loss_padded_and_packed(agg, lo, hi, dual):
     logp, old, adv, mask, lens = _data()
@@ -53,8 +57,40 @@ def test_policy_loss_padded_and_packed(agg, lo, hi, dual):
     # packed layout: same tokens back to back
     cu = torch.tensor([0, 67, 87, 88])
     pk = [torch.cat([x[i, :n] for i, n in enumerate(lens)]) for x in (logp, old, adv)]
+    if agg == "seq-mean-token-sum-norm":  # the padded default T, given explicitly
+        kw["norm_length"] = T
     packed = policy_loss(*pk, cu_seqlens=cu, **kw)
     torch.testing.assert_close(packed, ref)
+
+
+def test_dr_grpo_norm_is_a_constant():
+    """``seq-mean-token-sum-norm`` divides by ``num_sequences * norm_length`` whatever the
+    mask: a fully masked row still counts (unlike the sequence means), and the loss of one
+    row does not change when another row's length does."""
+    logp, old, adv, mask, lens = _data()
+    mask[1] = False
+    agg = "seq-mean-token-sum-norm"
+    ours = policy_loss(logp, old, adv, mask, aggregation=agg, norm_length=100)
+    want = _ref_policy(logp, old, adv, mask, 0.2, 0.2, None, "token-mean") * mask.sum() / 300
+    torch.testing.assert_close(ours, want)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, logp)[0], torch.autograd.grad(want, logp)[0]
+    )
+    shorter = mask.clone()
+    shorter[2] = False
+    g_short = torch.autograd.grad(policy_loss(logp, old, adv, shorter, aggregation=agg), logp)[0]
+    g_full = torch.autograd.grad(policy_loss(logp, old, adv, mask, aggregation=agg), logp)[0]
+    torch.testing.assert_close(g_short[0], g_full[0], rtol=0, atol=0)
+    x, cu = logp.detach().flatten(), torch.tensor([0, 100, B * T])
+    with pytest.raises(ValueError, match="packed layout needs norm_length"):
+        policy_loss(x, x, x, cu_seqlens=cu, aggregation=agg)
+    with pytest.raises(
+        ValueError, match="norm_length is for aggregation='seq-mean-token-sum-norm'"
+    ):
+        policy_loss(x, x, x, cu_seqlens=cu, norm_length=10)
+    for bad, err in ((0, ValueError), (-2.0, ValueError), (True, TypeError), ("8", TypeError)):
+        with pytest.raises(err, match="norm_length must be"):
+            policy_loss(x, x, x, cu_seqlens=cu, aggregation=agg, norm_length=bad)
 
 
 def test_policy_loss_fp32_and_stats():

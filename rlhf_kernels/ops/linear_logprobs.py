@@ -817,6 +817,7 @@ def linear_policy_loss(
     ignore_index: int | None = IGNORE_INDEX,
     group=None,
     softcap: float | None = None,
+    norm_length: float | None = None,
 ) -> torch.Tensor:
     """PPO clipped loss straight from hidden states: lm_head -> log-prob -> ``policy_loss``.
 
@@ -830,7 +831,7 @@ def linear_policy_loss(
             with a ``seq-mean-*`` aggregation, whose sequences are then the rows).
         cu_seqlens: ``(S + 1,)`` sequence boundaries of the packed layout, needed by the
             sequence-level aggregations (not by ``"token-mean"``).
-        clip_low, clip_high, dual_clip, aggregation: as
+        clip_low, clip_high, dual_clip, aggregation, norm_length: as
             :func:`rlhf_kernels.ops.losses.policy_loss`.
         ignore_index: tokens with this label are left out (as if masked).
         group: as in :func:`linear_nll_loss` (``"token-mean"`` only): the token count is summed
@@ -842,7 +843,7 @@ def linear_policy_loss(
 
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
     losses._check_float(old_logp=old_logp, advantages=advantages)
-    losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip)
+    losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length)
     if old_logp.shape != labels.shape:
         raise ValueError(
             f"old_logp must have labels' shape {tuple(labels.shape)}, got {tuple(old_logp.shape)}"
@@ -862,7 +863,7 @@ def linear_policy_loss(
     if ignored is not None:  # a token with no label does not count
         m = m.masked_fill(ignored, 0.0)
     if group is None:
-        wt = losses._token_weights(m, seq, n_seq, aggregation)
+        wt = losses._token_weights(m, seq, n_seq, aggregation, norm_length)
     else:
         wt = m / _token_count(m, group)
     # constants of the loss (no gradient), on every path

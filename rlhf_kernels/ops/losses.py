@@ -14,7 +14,12 @@ import torch
 from rlhf_kernels._checks import as_cu_seqlens, check_mask, check_same_device, sequence_ids
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 
 def kl_penalty(
@@ -111,16 +116,26 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
     return m, seq, n_seq
 
 
-def _token_weights(m, seq, n_seq, aggregation):
+def _token_weights(m, seq, n_seq, aggregation, norm_length=None):
     """Per-token weights ``w`` with ``aggregate(x) == (x * w).sum()`` (constants: no grad).
 
     Sequence means run over the sequences with at least one selected token: an empty
     (``cu[i] == cu[i+1]``) or fully masked sequence adds nothing and is not counted.
+    ``"seq-mean-token-sum-norm"`` divides by the constant ``n_seq * norm_length`` (every
+    sequence counts; ``norm_length`` None: the padded rows' length).
     """
     if aggregation == "token-mean":
         return m / m.sum().clamp_min(1)
     if n_seq == 0:
         return torch.zeros_like(m)
+    if aggregation == "seq-mean-token-sum-norm":
+        if norm_length is None and seq is not None:
+            raise ValueError(
+                "aggregation='seq-mean-token-sum-norm' on the packed layout needs norm_length "
+                "(Dr. GRPO's constant token budget per sequence, e.g. the generation limit)"
+            )
+        length = m.numel() // n_seq if norm_length is None else norm_length
+        return m / (n_seq * max(length, 1))
     cdt = torch.promote_types(m.dtype, torch.float32)  # exact counts even for bf16 masks
     if seq is None:  # padded: sequence i is row i; a row sum (inductor's CPU code generation
         rows = m.reshape(n_seq, m.numel() // n_seq).to(cdt)  # fails on index_add by row ids)
@@ -168,9 +183,19 @@ def _ppo_token_grad(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
     return grad
 
 
-def _check_policy_args(aggregation, clip_low, clip_high, dual_clip):
+def _check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length=None):
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if norm_length is not None:
+        if aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(
+                f"norm_length is for aggregation='seq-mean-token-sum-norm', got "
+                f"aggregation={aggregation!r}"
+            )
+        if isinstance(norm_length, bool) or not isinstance(norm_length, (int, float)):
+            raise TypeError(f"norm_length must be a number > 0 or None, got {norm_length!r}")
+        if not norm_length > 0:
+            raise ValueError(f"norm_length must be > 0, got {norm_length}")
     if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and not dual_clip > 1:
@@ -189,6 +214,7 @@ def policy_loss(
     dual_clip: float | None = None,
     aggregation: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
+    norm_length: float | None = None,
     return_stats: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``.
@@ -206,22 +232,29 @@ def policy_loss(
             (token sum per sequence, then mean over sequences). The sequence means skip
             sequences without a selected token (empty segments, fully masked rows): they
             neither add to the loss nor to the number of sequences.
+            ``"seq-mean-token-sum-norm"`` (Dr. GRPO): the token sum over all sequences divided
+            by the constant ``num_sequences * norm_length``, every sequence counted (TRL's
+            ``dr_grpo``; verl's mode of that name divides by ``norm_length`` only).
         cu_seqlens: ``(S + 1,)`` boundaries for the packed layout. A packed 1-D input needs
             them only for the ``seq-mean-*`` aggregations (``"token-mean"`` works without).
+        norm_length: the constant per-sequence token budget of ``"seq-mean-token-sum-norm"``
+            (e.g. the generation limit); required for the packed layout, default for the
+            padded one ``T``.
         return_stats: also return a dict of detached scalars: ``clip_frac`` (tokens whose
             clipped term won), ``dual_clip_frac``, ``approx_kl`` (token mean of k3 between the
             old and new policy) and ``ratio_mean``.
     Returns: scalar loss in logp's dtype (and the stats dict).
     """
     _check_float(logp=logp, old_logp=old_logp, advantages=advantages)
-    _check_policy_args(aggregation, clip_low, clip_high, dual_clip)
+    _check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length)
     m, seq, n_seq = _token_layout(
         "logp", logp, mask, cu_seqlens, aggregation, old_logp=old_logp, advantages=advantages
     )
+    wt = _token_weights(m, seq, n_seq, aggregation, norm_length)
     loss, unclipped, clipped, ratio, log_ratio = _ppo_token_loss(
         logp, old_logp, advantages, clip_low, clip_high, dual_clip
     )
-    out = (loss * _token_weights(m, seq, n_seq, aggregation)).sum()
+    out = (loss * wt).sum()
     if not return_stats:
         return out
     with torch.no_grad():
