@@ -183,6 +183,24 @@ def test_every_advantage_estimator_trains(estimator, tmp_path):
     assert (tmp_path / "model" / "config.json").is_file()
 
 
+@pytest.mark.slow
+def test_dr_grpo_loss_aggregation_is_the_constant_normaliser(tmp_path):
+    """``--loss-aggregation seq-mean-token-sum-norm``: on the same first rollouts the loss
+    (and its gradient) is the token-mean one times action tokens / (samples x max new
+    tokens); entropy and clip statistics stay token means."""
+    base = FAST + ["--max-steps", "1", "--advantage-estimator", "dr_grpo"]
+    run_trainer("ppo", base, tmp_path / "mean")
+    norm = ["--loss-aggregation", "seq-mean-token-sum-norm"]
+    run_trainer("ppo", base + norm, tmp_path / "norm")
+    a, b = metrics(tmp_path / "mean")[0], metrics(tmp_path / "norm")[0]
+    factor = a["response_length"] * 8 / (8 * 6)  # 8 samples, --max-new-tokens 6
+    assert 0 < factor < 1
+    for key in ("reward_mean", "response_length", "entropy", "clip_fraction", "approx_kl"):
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    for key in ("policy_loss", "grad_norm"):
+        assert b[key] == pytest.approx(a[key] * factor, rel=1e-4, abs=1e-8), key
+
+
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo-one")

@@ -80,6 +80,13 @@ class PPOConfig(TrainConfig):
     clip_low: float = _f(0.2, "ratio clip below 1 (eps_clip)")
     clip_high: float = _f(0.2, "ratio clip above 1 (clip-higher when larger than --clip-low)")
     dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages")
+    loss_aggregation: str = _f(
+        "token-mean",
+        "how the step's token losses add up: token-mean (over its action tokens) or "
+        "seq-mean-token-sum-norm (Dr. GRPO: their sum over the constant samples x "
+        "--max-new-tokens)",
+        choices=("token-mean", "seq-mean-token-sum-norm"),
+    )
     entropy_coef: float = _f(0.0, "entropy bonus")
     value_clip: float = _f(0.2, "value clipping around the rollout values (gae)")
     gamma: float = _f(1.0, "discount")
@@ -430,14 +437,28 @@ def update_batches(batch, cfg, layout: Layout, pad_id: int):
     return [(mb, True) if mb else ([dummy], False) for mb in micro_batches(batch, cfg, layout)]
 
 
+def _batch_seqs(batch, layout: Layout) -> int:
+    """Samples in the optimizer step over all ranks (each one counted once)."""
+    if batch and isinstance(batch[0], ppo_ring.Shard):
+        mine, rep = sum(len(sh.samples) for sh in batch), layout.tp * layout.ring
+    else:
+        mine, rep = len(batch), layout.tp
+    return round(sum_across([mine / rep], layout)[0])
+
+
 def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> dict:
-    """One optimizer step of the clipped policy loss; the token mean runs over the global batch
-    (``batch``: this rank's ``Sample``s, or its ring shards)."""
+    """One optimizer step of the clipped policy loss; the token mean (or Dr. GRPO's constant
+    normaliser, ``--loss-aggregation``) runs over the global batch (``batch``: this rank's
+    ``Sample``s, or its ring shards)."""
     n_global = sum_across([_batch_n(batch) / layout.tp], layout)[0]
+    norm = n_global  # the loss's denominator; the statistics stay token means
+    if cfg.loss_aggregation == "seq-mean-token-sum-norm":
+        norm = _batch_seqs(batch, layout) * cfg.max_new_tokens
     totals = dict(policy_loss=0.0, clip_fraction=0.0, approx_kl=0.0, entropy=0.0)
     mbs = update_batches(batch, cfg, layout, pad_id)
     for i, (mb, counts) in enumerate(mbs):
         weight = _n(mb) / n_global if counts else 0.0
+        loss_weight = _n(mb) / norm if counts else 0.0
         logp, ent = engine(mb, layout)
         dev = logp.device
         old, adv = _cat(mb, "old_logp").to(dev), _cat(mb, "advantages").to(dev)
@@ -460,8 +481,8 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ent_mean
         # DeepSpeed averages over its dp x ring ranks: scale back to a sum of global shares
-        accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
-        totals["policy_loss"] += loss.item() * weight
+        accumulate(engine, loss * loss_weight * layout.ds_dp_size, i == len(mbs) - 1)
+        totals["policy_loss"] += loss.item() * loss_weight
         totals["entropy"] += ent_mean.item() * weight
         totals["clip_fraction"] += stats["clip_frac"].item() * weight
         totals["approx_kl"] += stats["approx_kl"].item() * weight
