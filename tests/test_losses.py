@@ -82,6 +82,9 @@ def test_dr_grpo_norm_is_a_constant():
     g_full = torch.autograd.grad(policy_loss(logp, old, adv, mask, aggregation=agg), logp)[0]
     torch.testing.assert_close(g_short[0], g_full[0], rtol=0, atol=0)
     x, cu = logp.detach().flatten(), torch.tensor([0, 100, B * T])
+    half = policy_loss(x, x * 0.9, x, cu_seqlens=cu, aggregation=agg, norm_length=0.5)
+    one = policy_loss(x, x * 0.9, x, cu_seqlens=cu, aggregation=agg, norm_length=1)
+    torch.testing.assert_close(half, 2 * one)  # any positive budget, not rounded up to 1
     with pytest.raises(ValueError, match="packed layout needs norm_length"):
         policy_loss(x, x, x, cu_seqlens=cu, aggregation=agg)
     with pytest.raises(

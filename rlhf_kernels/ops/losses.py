@@ -134,8 +134,8 @@ def _token_weights(m, seq, n_seq, aggregation, norm_length=None):
                 "aggregation='seq-mean-token-sum-norm' on the packed layout needs norm_length "
                 "(Dr. GRPO's constant token budget per sequence, e.g. the generation limit)"
             )
-        length = m.numel() // n_seq if norm_length is None else norm_length
-        return m / (n_seq * max(length, 1))
+        length = max(m.numel() // n_seq, 1) if norm_length is None else norm_length
+        return m / (n_seq * length)
     cdt = torch.promote_types(m.dtype, torch.float32)  # exact counts even for bf16 masks
     if seq is None:  # padded: sequence i is row i; a row sum (inductor's CPU code generation
         rows = m.reshape(n_seq, m.numel() // n_seq).to(cdt)  # fails on index_add by row ids)
