@@ -356,6 +356,19 @@ def _case_scatter(rank, world):
     return out
 
 
+def test_default_pad_values():
+    """-100 only for signed integer label-like keys; a bool or uint8 mask named like a label
+    pads with 0 (it was filled with -100 cast: True / 156, so pads counted as tokens)."""
+    from rlhf_kernels.comm.broadcast import pad_value
+
+    for dtype in (torch.int64, torch.int32, torch.int8):
+        assert pad_value("labels", dtype, {}) == -100
+    for dtype in (torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.complex64):
+        assert pad_value("target_mask", dtype, {}) == 0, dtype
+    assert pad_value("input_ids", torch.int64, {}) == 0
+    assert pad_value("label_mask", torch.bool, {"label_mask": 1}) == 1
+
+
 def _case_scatter_pad_values(rank, world):
     """Pad slots: -100 for label-like integer keys by default, 0 otherwise, overridable."""
     samples = _token_samples(seed=8, n=10)

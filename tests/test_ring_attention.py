@@ -199,6 +199,8 @@ def _helper_cases(rank, world):
     except ValueError as e:
         res["gather_dst"] = str(e)
     res["gather_after"] = torch.equal(gather_from_ring(local, plan), full)
+    empty = RingPlan.build([0, 0, 0], world)  # nothing to gather: (0, 3), not an error
+    res["gather_empty"] = tuple(gather_from_ring(empty.shard(full[:0], rank), empty).shape)
     return res
 
 
@@ -277,6 +279,7 @@ def test_ring_attention_matches_single_device(world):
         assert cached[:3] == [1, 3, 4] and cached[4] == 4, cached
         assert cached[3] and "local_len" in cached[3] and "earlier calls" in cached[3], cached
         assert helpers["all"] and helpers["dst"] and helpers["gather_after"]
+        assert helpers["gather_empty"] == (0, 3)
         for name in ("gather_len", "gather_len_dst"):
             wrong = "local_len" if rank == world - 1 else f"rank(s) [{world - 1}]"
             assert helpers[name] and wrong in helpers[name], (name, helpers[name])

@@ -277,7 +277,24 @@ def test_slice_and_index_paths_agree(monkeypatch, sliced, layout):
     torch.testing.assert_close(x.grad, w)
 
 
+@pytest.mark.parametrize("sliced", [True, False])
+@pytest.mark.parametrize("cu", [[0, 1], [0, 0, 0]], ids=["pads_only_rank", "empty_stream"])
+def test_shard_of_a_pads_only_rank_stays_differentiable(monkeypatch, sliced, cu):
+    """A stream shorter than the world leaves a rank with pads only (or nothing): its shard
+    still requires grad (as ``x[:0]``), so its attention output has a backward (before: it
+    did not, that rank's backward raised and the others waited in the ring exchange)."""
+    monkeypatch.setattr(RingPlan, "_sliced", lambda self, num_runs: sliced)
+    plan = RingPlan.build(cu, 2)
+    x = torch.randn(plan.total, 3, requires_grad=True)
+    shards = [plan.shard(x, r) for r in range(2)]
+    assert all(t.requires_grad for t in shards)
+    sum(t.sum() for t in shards).backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
 def test_bad_input():
+    with pytest.raises(TypeError, match=r"must hold ints, got \[2.7, 5.9\]"):
+        RingPlan.build([0, 2.7, 5.9], 2)  # was truncated to (0, 2, 5)
     with pytest.raises(ValueError, match="world_size"):
         RingPlan.build(_cu([3]), 0)
     with pytest.raises(ValueError, match="layout"):

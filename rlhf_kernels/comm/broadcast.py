@@ -263,8 +263,8 @@ def scatter_for_ring(
         allow_early_stop: as in ``broadcast_chunked`` (same on every rank, checked).
         pad_values: the value of each key at the shard's pad slots (``plan.valid_mask(rank)`` is
             False there). Default: ``-100`` (the ignore index of the log-prob ops and losses)
-            for integer keys whose name contains ``"label"`` or ``"target"``, 0 for every other
-            key; entries given here override that.
+            for signed integer keys whose name contains ``"label"`` or ``"target"``, 0 for every
+            other key (bool and uint8 masks included); entries given here override that.
 
     Yields:
         ``(plan, local_tensors, meta)`` on every rank: ``plan`` the micro-batch's ``RingPlan``
@@ -308,7 +308,9 @@ def pad_value(key: str, dtype: torch.dtype, pad_values: dict) -> float:
     if key in pad_values:
         return pad_values[key]
     label_like = any(w in key.lower() for w in ("label", "target"))
-    return -100 if label_like and not dtype.is_floating_point else 0
+    # -100 only for signed integer ids: a bool / uint8 mask named "*_label*" pads with 0
+    ids = dtype.is_signed and not (dtype.is_floating_point or dtype.is_complex)
+    return -100 if label_like and ids else 0
 
 
 def _with_pad_values(stream, rank: int, pad_values: dict):

@@ -97,7 +97,8 @@ def gather_from_ring(
             device=local.device,
         )
         all_gather_flat(flat, local, group=group)
-        return plan.unshard(flat.split(plan.local_len))
+        n = plan.local_len  # split(0) would give one chunk, not world_size
+        return plan.unshard([flat.narrow(0, r * n, n) for r in range(plan.world_size)])
     shards = [torch.empty_like(local) for _ in range(plan.world_size)] if rank == dst else None
     dist.gather(local, shards, dst=global_rank(group, dst), group=group)
     return plan.unshard(shards) if rank == dst else None

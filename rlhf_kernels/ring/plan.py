@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 
@@ -82,7 +83,11 @@ class RingPlan:
             layout: ``"zigzag"`` (balanced causal work) or ``"contiguous"`` (equal slices).
         """
         if not isinstance(cu_seqlens, torch.Tensor):
-            cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64)
+            cu_seqlens = list(cu_seqlens)
+            bad = [x for x in cu_seqlens if isinstance(x, bool) or not isinstance(x, Integral)]
+            if bad:  # a float would be truncated by the conversion
+                raise TypeError(f"cu_seqlens as a sequence must hold ints, got {bad[:3]}")
+            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
         if cu_seqlens.numel() < 1:
             raise ValueError("cu_seqlens must have at least one entry, got an empty tensor")
         total = int(cu_seqlens[-1]) if cu_seqlens.dim() == 1 else -1
@@ -322,7 +327,9 @@ class RingPlan:
             pad = max((n for g, n in spans if g < 0), default=0)
             pads = x.new_full((pad, *rest), fill) if pad else None
             pieces = [x.narrow(0, g, n) if g >= 0 else pads.narrow(0, 0, n) for g, n in spans]
-            return torch.cat(pieces) if pieces else x.new_zeros((0, *rest))
+            if all(g < 0 for g, _ in spans):  # pads only (or nothing): keep the autograd link
+                pieces.insert(0, x.narrow(0, 0, 0))
+            return torch.cat(pieces)
         idx = self._cached(("index", rank), lambda: self._gather_index(rank), True).to(x.device)
         out = x.index_select(0, idx)
         pad_slots = self._pad_slots(rank)
