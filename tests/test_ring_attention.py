@@ -137,6 +137,16 @@ def _bad_input_cases(rank, world):
     attempt("plan", lambda: ring_varlen_attention(q, q, q, mine))
     heads = q if rank else torch.randn(plan.local_len, 4, 8)  # rank 0 has other heads
     attempt("heads", lambda: ring_varlen_attention(heads, q, q, plan))
+    # an option of the wrong type on the last rank only, or another softmax scale on rank 0
+    # (fresh plans: a plan that passed skips the group-wide check)
+    last = rank == world - 1
+    for name, kw in (
+        ("softcap_type", dict(softcap=None if last else 0.0)),
+        ("window_type", dict(window_size=("a", 0) if last else (-1, -1))),
+        ("scale", dict(softmax_scale=0.5 if rank == 0 else None)),
+    ):
+        fresh = RingPlan.build(_cu(LENGTHS), world)
+        attempt(name, lambda p=fresh, kw=kw: ring_varlen_attention(q, q, q, p, **kw))
     if world > 2:  # a sub-group of ranks 1..W-1 (group ranks != global ranks); rank 0 is outside
         sub = dist.new_group(list(range(1, world)))
         sub_plan = RingPlan.build(_cu(LENGTHS), world - 1)
@@ -291,6 +301,12 @@ def test_ring_attention_matches_single_device(world):
         assert r["length"] and ("local_len" in r["length"] or "rank(s) [" in r["length"])
         assert r["plan"] and "disagree" in r["plan"]
         assert r["heads"] and "disagree" in r["heads"]
+        last = rank == world - 1
+        want = "softcap must be a number" if last else f"rank(s) [{world - 1}]"
+        assert r["softcap_type"] and want in r["softcap_type"], r["softcap_type"]
+        want = "window_size must be (left, right) ints" if last else f"rank(s) [{world - 1}]"
+        assert r["window_type"] and want in r["window_type"], r["window_type"]
+        assert r["scale"] and "disagree" in r["scale"], r["scale"]
         if world > 2:
             if rank == 0:
                 assert r["outside"] and "not a member" in r["outside"]

@@ -337,6 +337,7 @@ def ring_varlen_attention(
             kv_head_stride,
             tile,
             causal,
+            softmax_scale,
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     window = (int(window_size[0]), int(window_size[1]))

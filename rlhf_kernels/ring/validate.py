@@ -7,6 +7,7 @@ whether any rank failed (and whether all ranks agree on the facts), and all of t
 
 from __future__ import annotations
 
+import operator
 import zlib
 
 import torch
@@ -86,12 +87,19 @@ _REASONS = {
     1: "the plan was built for another world size than the group's",
     2: "a q/k/v shard does not have the plan's local length",
     3: "invalid q/k/v or options",
-    4: "q/k/v/plan of the wrong type or dtype",
+    4: "q/k/v/plan/options of the wrong type or dtype",
 }
 
 
-def _local_problem(q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile):
-    """Checks that need no communication: (code, message); 0 = fine, 4 = a TypeError."""
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _local_problem(
+    q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, softmax_scale=None
+):
+    """Checks that need no communication: (code, message); 0 = fine, 4 = a TypeError. Every
+    option's type is checked here, so building the facts afterwards cannot raise on one rank."""
     if not isinstance(plan, RingPlan):
         return 4, f"plan must be a RingPlan, got {type(plan).__name__}"
     if plan.world_size != world:
@@ -123,10 +131,16 @@ def _local_problem(q, k, v, plan, world, comm, window_size, softcap, kv_head_str
         return 3, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
     if comm not in COMMS:
         return 3, f"comm must be one of {COMMS}, got {comm!r}"
-    if len(tuple(window_size)) != 2:
+    try:
+        window = [operator.index(w) for w in window_size]
+    except TypeError:
+        return 4, f"window_size must be (left, right) ints, got {window_size!r}"
+    if len(window) != 2:
         return 3, f"window_size must be (left, right), got {window_size!r}"
-    if softcap < 0:
-        return 3, f"softcap must be >= 0, got {softcap}"
+    if not _number(softcap) or not softcap >= 0:
+        return 3, f"softcap must be a number >= 0, got {softcap!r}"
+    if softmax_scale is not None and not (_number(softmax_scale) and softmax_scale > 0):
+        return 3, f"softmax_scale must be a number > 0 or None, got {softmax_scale!r}"
     if kv_head_stride is not None and not (isinstance(kv_head_stride, int) and kv_head_stride > 0):
         return 3, f"kv_head_stride must be a positive int or None, got {kv_head_stride!r}"
     if not isinstance(tile, int) or tile < 1:
@@ -135,8 +149,9 @@ def _local_problem(q, k, v, plan, world, comm, window_size, softcap, kv_head_str
 
 
 def validate_ring_call(
-    q, k, v, plan, group, world, comm, window_size, softcap, kv_head_stride, tile, causal
-):
+    q, k, v, plan, group, world, comm, window_size, softcap, kv_head_stride, tile, causal,
+    softmax_scale=None,
+):  # fmt: skip
     """Raise the same error on every rank of the group (one tiny all_gather), before any ring
     traffic, so a bad input on one rank cannot leave the others waiting.
 
@@ -167,13 +182,14 @@ def validate_ring_call(
             comm,
             kv_head_stride,
             tile,
+            softmax_scale,
         )
         if key in plan._cache:
             return
     except (TypeError, AttributeError):
         key = None
     code, msg = _local_problem(
-        q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile
+        q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, softmax_scale
     )
     passed = ("validated", group, world)
     if code and key is not None and any(c[:3] == passed for c in plan._cache if type(c) is tuple):
@@ -196,6 +212,7 @@ def validate_ring_call(
             COMMS.index(comm),
             kv_head_stride or 0,
             tile,
+            -1 if softmax_scale is None else int(round(float(softmax_scale) * 1e9)),
         ]
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     check_on_every_rank(
