@@ -216,12 +216,45 @@ def _case_bad_arguments(rank, world):
                 [{"x": torch.ones(3)}] if rank == 0 else None, src=0, allow_early_stop=rank == 1
             )
         )
+    # an invalid argument on the last rank only: it raises its own error, every other rank
+    # raises too (the bad rank joins their handshake) instead of waiting there until the timeout
+    last = rank == world - 1
+    others = rf"rank\(s\) \[{world - 1}\] of the group were called with invalid arguments"
+    for kwargs, own in (
+        ({"max_chunk_bytes": 512 if last else BUDGET}, "max_chunk_bytes must be an int"),
+        ({"src": world if last else 0}, "src must be a rank"),
+        ({"timeout": -1.0 if last else None}, "timeout must be None or seconds"),
+    ):
+        with pytest.raises(ValueError, match=own if last else others):
+            kwargs = {"src": 0, "max_chunk_bytes": BUDGET, **kwargs}
+            list(broadcast_chunked([{"x": torch.ones(3)}] if rank == 0 else None, **kwargs))
+    samples = _token_samples(3, 4) if rank == 0 else None
+    for kwargs, err, own in (
+        ({"layout": "zz" if last else "zigzag"}, ValueError, "layout must be one of"),
+        ({"token_keys": "input_ids" if last else ["input_ids"]}, TypeError, "sequence of keys"),
+    ):
+        with pytest.raises(err if last else ValueError, match=own if last else others):
+            list(scatter_for_ring(samples, src=0, **{"token_keys": ["input_ids"], **kwargs}))
     with pytest.raises(ValueError, match="max_chunk_bytes"):
-        broadcast_chunked(None, src=0, max_chunk_bytes=10)  # local check, nothing sent
+        broadcast_chunked(None, src=0, max_chunk_bytes=10)  # on every rank
     with pytest.raises(ValueError, match="src"):
         broadcast_chunked(None, src=3)
     with pytest.raises(ValueError, match="layout"):
         scatter_for_ring(None, src=0, token_keys=["a"], layout="ring")
+
+
+def _case_views(rank, world):
+    """Conjugate and negative views split over several pieces arrive resolved; a meta tensor is
+    refused before anything is sent (every rank raises)."""
+    z = torch.complex(torch.arange(2000.0), torch.arange(2000.0) + 0.5)  # 16 kB: 4 pieces
+    sample = {"conj": z.conj(), "neg": z.conj().imag, "small": z[:8].conj()}
+    got = list(broadcast_chunked([sample] if rank == 0 else None, src=0, max_chunk_bytes=BUDGET))
+    assert [len(mb) for mb in got] == [1]
+    for key, want in sample.items():
+        assert torch.equal(got[0][0][key].resolve_conj().resolve_neg(), want.resolve_conj()), key
+    meta = [{"x": torch.empty(3000, device="meta")}] if rank == 0 else None
+    with pytest.raises(TypeError if rank == 0 else RuntimeError, match="meta tensor"):
+        list(broadcast_chunked(meta, src=0, max_chunk_bytes=BUDGET))
 
 
 def _case_source_stops_early(rank, world):
@@ -447,6 +480,7 @@ def _all_cases(rank, world):
         _case_broadcast,
         _case_source_raises,
         _case_bad_arguments,
+        _case_views,
         _case_source_stops_early,
         _case_source_loop_raises,
         _case_metadata_heavy,

@@ -209,6 +209,17 @@ def _helper_cases(rank, world):
     except ValueError as e:
         res["gather_dst"] = str(e)
     res["gather_after"] = torch.equal(gather_from_ring(local, plan), full)
+    # a bad mask on the last rank only (a weight, a wrong shape): every rank raises
+    for name, mask in (
+        ("mean_value", torch.full((plan.local_len,), 2.0)),
+        ("mean_shape", torch.ones(plan.local_len + 1)),
+    ):
+        try:
+            ring_token_mean(values, mask if rank == world - 1 else torch.ones(plan.local_len))
+            res[name] = None
+        except (ValueError, RuntimeError) as e:
+            res[name] = str(e)
+    res["mean_after"] = float(ring_token_mean(torch.ones(3), torch.ones(3))) * world
     empty = RingPlan.build([0, 0, 0], world)  # nothing to gather: (0, 3), not an error
     res["gather_empty"] = tuple(gather_from_ring(empty.shard(full[:0], rank), empty).shape)
     return res
@@ -296,6 +307,11 @@ def test_ring_attention_matches_single_device(world):
         wrong = "dst must be" if rank == 0 else "rank(s) [0]"
         assert helpers["gather_dst"] and wrong in helpers["gather_dst"], helpers["gather_dst"]
         assert helpers["mean"] < 1e-12 and helpers["grad"] < 1e-12
+        owns = (("mean_value", "values must be 0 or 1"), ("mean_shape", "does not broadcast"))
+        for name, own in owns:
+            wrong = own if rank == world - 1 else "other rank(s) of the group passed invalid"
+            assert helpers[name] and wrong in helpers[name], (name, helpers[name])
+        assert abs(helpers["mean_after"] - 1.0) < 1e-6
         assert helpers["fp16_mean"] < 1e-3 and helpers["fp16_grad"] < 1e-2, helpers
         assert r["world"] and f"world_size={world + 1}" in r["world"]
         assert r["length"] and ("local_len" in r["length"] or "rank(s) [" in r["length"])

@@ -94,7 +94,9 @@ class Sender:
                     view_tensor(buf, off - start, t.dtype, t.shape).copy_(t)
                 else:
                     if j not in contiguous:
-                        contiguous[j] = t.contiguous().reshape(-1).view(torch.uint8)
+                        # (a conjugate or negative view has no byte view: resolve it first)
+                        flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+                        contiguous[j] = flat.view(torch.uint8)
                     buf[lo - start : hi - start].copy_(contiguous[j][lo - off : hi - off])
                     if hi == off + n:
                         del contiguous[j]

@@ -158,6 +158,8 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
             f"{where} must be a dense strided tensor, got layout {t.layout}"
             f"{' (quantized)' if t.is_quantized else ''}"
         )
+    if t.is_meta:
+        raise TypeError(f"{where} is a meta tensor: it has no data to send")
 
 
 def meta_nbytes(obj: Any) -> int:

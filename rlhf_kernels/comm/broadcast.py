@@ -11,10 +11,11 @@ micro-batch, builds its ``RingPlan`` and sends every rank only that rank's token
 
 Failure handling: every stream starts with a handshake (``all_gather`` of each rank's
 arguments, bounded by ``timeout``), so mismatched ``max_chunk_bytes``/``src``/``token_keys``/
-``layout``/``allow_early_stop`` raise the same ``ValueError`` on every rank. If the source's
-iterable raises, the error message travels in the next header and every receiver raises
-``RuntimeError`` with it. If the source's caller stops consuming (closes the generator, or raises
-in its loop body), the receivers raise ``RuntimeError`` too, unless every rank passed
+``layout``/``allow_early_stop`` raise the same ``ValueError`` on every rank, and so does an
+invalid argument on any one rank (it joins the handshake before raising its own error). If the
+source's iterable raises, the error message travels in the next header and every receiver
+raises ``RuntimeError`` with it. If the source's caller stops consuming (closes the generator, or
+raises in its loop body), the receivers raise ``RuntimeError`` too, unless every rank passed
 ``allow_early_stop=True``. A source that dies breaks the connection (gloo raises at once); a rank
 that stalls or never joins is bounded by ``timeout`` (seconds per header exchange and for the
 handshake) or by ``init_process_group(timeout=...)``.
@@ -23,6 +24,7 @@ handshake) or by ``init_process_group(timeout=...)``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,38 +38,86 @@ __all__ = ["broadcast_chunked", "scatter_for_ring"]
 Sample = dict[str, Any]
 
 
-def _check_common(name: str, src, group, max_chunk_bytes) -> tuple[int, int]:
+def _group_rank(name: str, group) -> tuple[int, int]:
+    """This process's rank and the group's size; raises where there is no group to tell."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name} needs an initialised torch.distributed process group")
-    world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"{name}: this process is not a member of group")
+    return rank, dist.get_world_size(group)
+
+
+def _common_error(name: str, world: int, src, max_chunk_bytes, timeout) -> Exception | None:
     if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < world:
-        raise ValueError(f"{name}: src must be a rank of group in [0, {world}), got {src!r}")
+        return ValueError(f"{name}: src must be a rank of group in [0, {world}), got {src!r}")
     if not isinstance(max_chunk_bytes, int) or max_chunk_bytes < _wire.MIN_CHUNK_BYTES:
-        raise ValueError(
+        return ValueError(
             f"{name}: max_chunk_bytes must be an int >= {_wire.MIN_CHUNK_BYTES}, "
             f"got {max_chunk_bytes!r}"
         )
-    return rank, world
+    if not _timeout_ok(timeout):
+        return ValueError(f"{name}: timeout must be None or seconds > 0, got {timeout!r}")
+    return None
 
 
-def _samples_error(name: str, rank: int, src: int, samples) -> str | None:
+def _samples_error(name: str, rank: int, src: int, samples) -> Exception | None:
     if rank == src and samples is None:
-        return f"{name}: samples must be an iterable of dicts on the source rank {src}, got None"
+        msg = f"{name}: samples must be an iterable of dicts on the source rank {src}, got None"
+        return ValueError(msg)
     not_iterable = isinstance(samples, (dict, str, bytes)) or not hasattr(samples, "__iter__")
     if rank == src and not_iterable:
-        return (
+        return ValueError(
             f"{name}: samples must be an iterable (list or generator) of dicts on the "
             f"source rank, got {type(samples).__name__}"
         )
     if rank != src and samples is not None:
-        return (
+        return ValueError(
             f"{name}: samples must be None on rank {rank} (the source is rank {src}), got "
             f"{type(samples).__name__}"
         )
     return None
+
+
+def _keys_error(name: str, token_keys, layout) -> tuple[Any, Exception | None]:
+    """``token_keys`` as a tuple, and the error of scatter_for_ring's own arguments if any."""
+    if isinstance(token_keys, (str, bytes)) or not isinstance(token_keys, Sequence):
+        return token_keys, TypeError(
+            f"{name}: token_keys must be a sequence of keys, got {token_keys!r}"
+        )
+    token_keys = tuple(token_keys)
+    if not token_keys or len(set(token_keys)) != len(token_keys):
+        return token_keys, ValueError(
+            f"{name}: token_keys must be non-empty and unique, got {token_keys}"
+        )
+    if layout not in LAYOUTS:
+        return token_keys, ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
+    return token_keys, None
+
+
+def _timeout_ok(timeout) -> bool:
+    if timeout is None:
+        return True
+    return isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+
+
+def _refuse(name: str, error: Exception, fields: dict, group, timeout) -> None:
+    """Raise ``error`` after joining the handshake the other ranks run on their first
+    ``next()``, so that an invalid argument on one rank raises on every rank (they read "rank(s)
+    [r] ... invalid arguments") instead of leaving them waiting until the timeout."""
+    timeout = timedelta(seconds=timeout) if timeout is not None and _timeout_ok(timeout) else None
+    try:
+        _wire.handshake(
+            dict.fromkeys(fields, 0),  # the same row length as the other ranks'
+            str(error),
+            group=group,
+            device=_wire.comm_device(group),
+            who=name,
+            timeout=timeout,
+        )
+    except (ValueError, RuntimeError):  # our own error, or the others never joined
+        pass
+    raise error
 
 
 def _sample_bytes(sample: Sample, index: int) -> int:
@@ -164,14 +214,16 @@ def broadcast_chunked(
 
     Raises:
         ValueError on every rank if the ranks disagree on ``src`` or ``max_chunk_bytes`` or one
-        rank has invalid arguments; RuntimeError on the receivers, after the micro-batches sent
-        before it, if the source's iterable raised (the source re-raises the original error), or
-        if the source stopped consuming without ``allow_early_stop``; RuntimeError when
-        ``timeout`` passes.
+        rank has invalid arguments (that rank raises its own error at call time, after joining
+        the handshake the others run on their first ``next()``); RuntimeError on the receivers,
+        after the micro-batches sent before it, if the source's iterable raised (the source
+        re-raises the original error), or if the source stopped consuming without
+        ``allow_early_stop``; RuntimeError when ``timeout`` passes.
     """
     name = "broadcast_chunked"
-    rank, _ = _check_common(name, src, group, max_chunk_bytes)
-    error = _samples_error(name, rank, src, samples)
+    rank, world = _group_rank(name, group)
+    error = _common_error(name, world, src, max_chunk_bytes, timeout)
+    error = error or _samples_error(name, rank, src, samples)
     allow_early_stop = bool(allow_early_stop)
     fields = {
         "kind": 1,
@@ -179,16 +231,18 @@ def broadcast_chunked(
         "max_chunk_bytes": max_chunk_bytes,
         "allow_early_stop": int(allow_early_stop),
     }
+    if error is not None:
+        _refuse(name, error, fields, group, timeout)
     side = _broadcast_side
     args = (samples, max_chunk_bytes, allow_early_stop)
-    return _stream_gen(name, error, fields, src, group, timeout, side, *args)
+    return _stream_gen(name, fields, src, group, timeout, side, *args)
 
 
-def _stream_gen(name, error, fields, src, group, timeout, side, *args):
+def _stream_gen(name, fields, src, group, timeout, side, *args):
     # argument checks ran at call time; communication starts on the first next()
     device = _wire.comm_device(group)
     header = _wire.Header(src=src, group=group, device=device, timeout=timeout)
-    _wire.handshake(fields, error, group=group, device=device, who=name, timeout=header.timeout)
+    _wire.handshake(fields, None, group=group, device=device, who=name, timeout=header.timeout)
     yield from side(name, header, device, *args)
 
 
@@ -275,31 +329,30 @@ def scatter_for_ring(
 
     Raises:
         ValueError on every rank for mismatched ``src``/``token_keys``/``layout``/
-        ``max_chunk_bytes``/``allow_early_stop``; RuntimeError on the receivers if the source's
+        ``max_chunk_bytes``/``allow_early_stop``, or invalid arguments on any rank (that rank
+        raises its own ValueError or TypeError at call time, as ``broadcast_chunked``);
+        RuntimeError on the receivers if the source's
         iterable raised or a sample is malformed (the source raises the original error), or if
         the source stopped consuming without ``allow_early_stop``; RuntimeError on timeout.
     """
     name = "scatter_for_ring"
-    rank, world = _check_common(name, src, group, max_chunk_bytes)
-    error = _samples_error(name, rank, src, samples)
-    if isinstance(token_keys, (str, bytes)) or not isinstance(token_keys, Sequence):
-        raise TypeError(f"{name}: token_keys must be a sequence of keys, got {token_keys!r}")
-    token_keys = tuple(token_keys)
-    if not token_keys or len(set(token_keys)) != len(token_keys):
-        raise ValueError(f"{name}: token_keys must be non-empty and unique, got {token_keys}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
+    rank, world = _group_rank(name, group)
+    token_keys, error = _keys_error(name, token_keys, layout)
+    error = error or _common_error(name, world, src, max_chunk_bytes, timeout)
+    error = error or _samples_error(name, rank, src, samples)
     fields = {
         "kind": 2,
         "src": src,
         "max_chunk_bytes": max_chunk_bytes,
         "token_keys": repr(token_keys),
-        "layout": LAYOUTS.index(layout),
+        "layout": LAYOUTS.index(layout) if layout in LAYOUTS else -1,
         "allow_early_stop": int(bool(allow_early_stop)),
     }
+    if error is not None:
+        _refuse(name, error, fields, group, timeout)
     side = _scatter_side
     args = (samples, rank, world, token_keys, layout, max_chunk_bytes, bool(allow_early_stop))
-    stream = _stream_gen(name, error, fields, src, group, timeout, side, *args)
+    stream = _stream_gen(name, fields, src, group, timeout, side, *args)
     return _with_pad_values(stream, rank, dict(pad_values or {}))
 
 

@@ -116,16 +116,54 @@ def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> tor
         values: ``(local_len, ...)`` per-token values (e.g. per-token losses), any float dtype.
         mask: same shape (or broadcastable), bool/float; 0 for pads and ignored tokens.
         group: the ring's process group (None: default group).
+
+    A bad ``values`` or ``mask`` on any rank raises on every rank (the flag rides on the same
+    all_reduce as the count, at the cost of one host read of it).
     """
-    if not isinstance(values, torch.Tensor) or not isinstance(mask, torch.Tensor):
-        raise TypeError(
-            f"values and mask must be tensors, got {type(values).__name__} and "
-            f"{type(mask).__name__}"
+    # a bad input on one rank must not leave the others in the all_reduce: the count's
+    # all_reduce also carries how many ranks failed their local checks
+    error = None
+    try:
+        if not isinstance(values, torch.Tensor) or not isinstance(mask, torch.Tensor):
+            raise TypeError(
+                f"values and mask must be tensors, got {type(values).__name__} and "
+                f"{type(mask).__name__}"
+            )
+        try:
+            fits = torch.broadcast_shapes(mask.shape, values.shape) == values.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to values' shape "
+                f"{tuple(values.shape)}"
+            )
+        mask = check_mask(mask)
+        # count in float64 and sum in fp32: an fp16 count overflows at 65k tokens, bf16 rounds
+        # at 257
+        count = torch.broadcast_to(mask, values.shape).detach().sum(dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        error = exc
+    if error is None:
+        both = torch.stack([count, torch.zeros_like(count)])  # [count, failed ranks]
+    else:
+        both = torch.tensor([0.0, 1.0], dtype=torch.float64, device=_device_of(values, mask))
+    dist.all_reduce(both, group=group)
+    if error is not None:
+        raise error
+    if bool(both[1] > 0):  # one host read per call (the price of raising on every rank)
+        raise ValueError(
+            f"ring_token_mean: {int(both[1])} other rank(s) of the group passed invalid values "
+            "or mask (their own error says which); every rank raises"
         )
-    mask = check_mask(mask)
-    # count in float64 and sum in fp32: an fp16 count overflows at 65k tokens, bf16 rounds at 257
-    count = torch.broadcast_to(mask, values.shape).detach().sum(dtype=torch.float64)
-    dist.all_reduce(count, group=group)
+    count = both[0]
     acc = torch.promote_types(values.dtype, torch.float32)
     total = (values.to(acc) * mask.to(acc)).sum()
     return (total / count.clamp(min=1).to(acc)).to(values.dtype)
+
+
+def _device_of(*xs) -> torch.device:
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
