@@ -29,7 +29,9 @@ def _read_every_time(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def _remember(t: torch.Tensor, cu: list[int]) -> None:
+def remember_validated(t: torch.Tensor, cu: list[int]) -> None:
+    """Record ``t`` (holding the valid ``cu``) as checked, for tensors built valid by construction:
+    a later check on the device takes ``cu`` instead of reading ``t`` back."""
     if _read_every_time(t):
         return
     try:
@@ -82,7 +84,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
             )
     if cu[-1] != total:
         raise ValueError(f"{name}[-1] must equal the packed length {total}, got {cu[-1]}")
-    _remember(cu_seqlens, cu)
+    remember_validated(cu_seqlens, cu)
     return cu
 
 

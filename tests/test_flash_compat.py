@@ -150,3 +150,30 @@ def test_deterministic_reaches_flash_attn(monkeypatch):
     )
     f(q).float().sum().backward()
     assert calls[2:] and all(calls[2:]) and q.grad is not None
+
+
+def test_dense_drop_in_reads_no_cu_seqlens_back(monkeypatch):
+    """flash_attn_func's cu_seqlens are valid by construction: on a device (here: the cache's
+    CPU exemption turned off) the check takes the known list, with no device -> host read."""
+    from rlhf_kernels import _checks
+
+    monkeypatch.setattr(_checks, "_read_every_time", lambda t: False)
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counting(t):
+        if t.dim() == 1 and t.dtype == torch.int32:
+            reads.append(t)
+        return real(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    q, k = torch.randn(2, 5, 2, 8), torch.randn(2, 7, 1, 8)
+    out = rk.flash_attn_func(q, k, k, causal=True, backend="torch")
+    _checks._VALIDATED.clear()
+    assert not reads, f"{len(reads)} cu_seqlens read(s) back"
+    rows = torch.arange(3, dtype=torch.int32)
+    ref = varlen_attention(
+        q.flatten(0, 1), k.flatten(0, 1), k.flatten(0, 1), rows * 5, rows * 7, 5, 7,
+        causal=True, backend="torch",
+    )  # fmt: skip
+    torch.testing.assert_close(out.flatten(0, 1), ref, rtol=0, atol=0)
