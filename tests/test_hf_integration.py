@@ -183,13 +183,20 @@ def test_first_attention_layer_and_reused_cu_seq_lens(tmp_path_factory, monkeypa
     from rlhf_kernels import _checks
 
     class Attn(torch.nn.Module):
-        def __init__(self, idx):
+        def __init__(self, idx, config=None):
             super().__init__()
-            self.layer_idx = idx
+            self.layer_idx, self.config = idx, config
+
+    class Config:
+        pass
 
     monkeypatch.setattr(hf, "_FIRST_LAYER", {})
     assert [hf._first_layer(Attn(i)) for i in (3, 5, 7, 3, 5)] == [True, False, False, True, False]
     assert hf._first_layer(Attn(None)) is False
+    # two models with the same attention class: each refreshes at its own first layer
+    dense, hybrid = Config(), Config()
+    order = [(dense, 0), (dense, 1), (hybrid, 2), (hybrid, 3), (dense, 0), (hybrid, 2)]
+    assert [hf._first_layer(Attn(i, c)) for c, i in order] == [1, 0, 1, 0, 1, 1]
 
     monkeypatch.setattr(_checks, "_read_every_time", lambda t: False)  # cache as on CUDA
     _, ours = _models("llama", tmp_path_factory)

@@ -135,20 +135,30 @@ def _segments_from_position_ids(
     return result
 
 
-_FIRST_LAYER: dict[type, int] = {}  # attention class -> smallest layer_idx seen
+# (attention class, id(config)) -> (weakref to the config or None, smallest layer_idx seen)
+_FIRST_LAYER: dict[tuple[type, int], tuple[Any, int]] = {}
 
 
 def _first_layer(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a model's first attention layer: the smallest transformers
-    ``layer_idx`` seen for its class (hybrid models start attention past layer 0; a shared
-    block reused with one index refreshes at every call). There a forward's per-forward caches
-    are rebuilt. Models without an integer ``layer_idx`` rely on the version counter alone."""
+    ``layer_idx`` seen for its class within its model (the layers of one model share their
+    ``config`` object; hybrid models start attention past layer 0; a shared block reused with
+    one index refreshes at every call). There a forward's per-forward caches are rebuilt.
+    Models without an integer ``layer_idx`` rely on the version counter alone."""
     idx = getattr(module, "layer_idx", None)
     if not isinstance(idx, int):
         return False
-    first = _FIRST_LAYER.get(type(module))
-    if first is None or idx <= first:
-        _FIRST_LAYER[type(module)] = idx
+    config = getattr(module, "config", None)
+    try:
+        ref = None if config is None else weakref.ref(config)
+    except TypeError:
+        ref = None
+    key = (type(module), id(config))
+    seen = _FIRST_LAYER.get(key)
+    if seen is not None and seen[0] is not None and seen[0]() is not config:
+        seen = None  # a dead config's id, reused by another model's
+    if seen is None or idx <= seen[1]:
+        _FIRST_LAYER[key] = (ref, idx)
         return True
     return False
 
