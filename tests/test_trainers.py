@@ -309,7 +309,24 @@ def test_bad_input_is_one_clear_error_on_every_rank(tmp_path):
         "template": ("sft", ["--input-template", "no slot"], 1, "must contain '{}'"),
         "two ranks": ("rm", ["--chosen-key", "better"], 2, "--chosen-key 'better'"),
         "tp size": ("sft", ["--tp-size", "3"], 3, "must divide the model's attention heads"),
+        "old checkpoints": ("sft", [], 1, "holds checkpoints of an earlier run (newest: step-2)"),
+        "ppo clip": ("ppo", ["--clip-low", "1.5"], 1, "need 0 <= --clip-low < 1"),
+        "ppo group of one": (
+            "ppo",
+            ["--advantage-estimator", "dr_grpo", "--n-samples-per-prompt", "1"],
+            1,
+            "it needs --n-samples-per-prompt >= 2",
+        ),
+        "ppo batch over dp": (
+            "ppo",
+            ["--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--batch-size", "3"],
+            2,
+            "--batch-size 3 must be a multiple of the data-parallel size 2",
+        ),
     }
+    stale = tmp_path / "old-checkpoints" / "checkpoints" / "step-2"  # an earlier run's
+    stale.mkdir(parents=True)
+    (stale / "trainer_state.json").write_text("{}")
     t0 = time.perf_counter()
     procs = {}
     for name, (module, args, nproc, _) in cases.items():

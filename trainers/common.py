@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from rlhf_kernels.packing import IGNORE_INDEX, pack_sequences, plan_micro_batches
 from trainers.distributed import Layout, all_ranks_ok
@@ -29,17 +31,34 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_output_dir(path: str, layout: Layout | None) -> None:
-    """Collective: every rank learns whether ``path`` is a writable folder before heavy work."""
+def check_output_dir(path: str, layout: Layout | None, cfg=None) -> None:
+    """Collective: every rank learns whether ``path`` is a writable folder before heavy work.
+    A fresh run (no ``--resume``) refuses a folder holding an earlier run's checkpoints, which a
+    later ``--resume`` would take for its own, unless ``--overwrite`` (rank 0 deletes them)."""
+    from trainers.checkpoint import checkpoint_root, latest_checkpoint
+
     message = ""
+    resume, overwrite = bool(getattr(cfg, "resume", False)), bool(getattr(cfg, "overwrite", False))
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
         probe = Path(path) / f".write-probe-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
+        old = latest_checkpoint(path)
+        if resume and overwrite:
+            message = "give --resume or --overwrite, not both"
+        elif old is not None and not resume and not overwrite:
+            message = (
+                f"--output-dir {path!r} holds checkpoints of an earlier run (newest: {old.name}); "
+                "pass --resume to continue it, or --overwrite to start fresh and delete them"
+            )
     except OSError as e:
         message = f"--output-dir {path!r} is not a writable folder ({e.strerror or e})"
     all_ranks_ok(not message, message, layout)
+    if overwrite and (layout is None or layout.rank == 0):
+        shutil.rmtree(checkpoint_root(path), ignore_errors=True)
+    if overwrite and layout is not None and layout.world > 1:
+        dist.barrier()  # nobody saves into the folder while rank 0 clears it
 
 
 # ----------------------------------------------------------------------------- batches

@@ -79,6 +79,11 @@ class TrainConfig:
     save_steps: int = _f(0, "save a resumable checkpoint every N steps (0: only at the end)")
     eval_steps: int = _f(0, "evaluate every N steps (0: only at the end)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in --output-dir")
+    overwrite: bool = _f(
+        False,
+        "start fresh in an --output-dir holding an earlier run's checkpoints, deleting them "
+        "(without it, or --resume, such a folder is refused)",
+    )
     logger: str = _f(
         "tensorboard",
         "metrics sink besides metrics.jsonl",

@@ -62,14 +62,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.output_dir)
-    t_sft = run("sft", sft_args(out / "sft", args.sft_steps, args.seed))
+    # each demo is a fresh pair of runs: --overwrite replaces an earlier demo's checkpoints
+    t_sft = run("sft", [*sft_args(out / "sft", args.sft_steps, args.seed), "--overwrite"])
     prompts = write_prompts(out / "prompts_first_letter.jsonl")
     # the RL hyper-parameters are trainers.ppo's defaults (GRPO, 8 samples per prompt, ...)
     steps = ["--max-steps", str(args.rl_steps)] if args.rl_steps is not None else []
     t_rl = run("ppo", [
         "--model", str(out / "sft" / "model"), "--output-dir", str(out / "ppo"),
         "--dataset", str(prompts), "--reward-fn", REWARD_FN, "--input-template", TEMPLATE,
-        *steps, "--logger", "tensorboard", "--seed", str(args.seed),
+        *steps, "--logger", "tensorboard", "--seed", str(args.seed), "--overwrite",
     ])  # fmt: skip
     m = read(out / "ppo")
     first = sum(x["reward_mean"] for x in m[:3]) / 3

@@ -88,7 +88,7 @@ class PPOConfig(TrainConfig):
         choices=("token-mean", "seq-mean-token-sum-norm"),
     )
     entropy_coef: float = _f(0.0, "entropy bonus")
-    value_clip: float = _f(0.2, "value clipping around the rollout values (gae)")
+    value_clip: float = _f(0.2, "value clipping around the rollout values (gae; 0: none)")
     gamma: float = _f(1.0, "discount")
     lam: float = _f(0.95, "GAE lambda")
     critic_lr: float = _f(1e-3, "critic learning rate (gae)")
@@ -124,7 +124,7 @@ class PPOConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.advantage_estimator in ("rloo", "grpo") and self.n_samples_per_prompt < 2:
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
             raise ValueError(
                 f"--advantage-estimator {self.advantage_estimator} compares the responses of one "
                 f"prompt: it needs --n-samples-per-prompt >= 2, got {self.n_samples_per_prompt}"
@@ -132,6 +132,20 @@ class PPOConfig(TrainConfig):
         for name in ("n_samples_per_prompt", "max_new_tokens", "rollout_batch_size", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        # the loss / sampling ranges, checked here rather than after the first rollout
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(
+                f"need 0 <= --clip-low < 1 and --clip-high >= 0, got {self.clip_low}, "
+                f"{self.clip_high}"
+            )
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"--dual-clip must be > 1 (or left out), got {self.dual_clip}")
+        if not self.value_clip >= 0:
+            raise ValueError(f"--value-clip must be >= 0 (0: no clipping), got {self.value_clip}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if (self.rollout_batch_size * self.n_samples_per_prompt) % self.batch_size:
             raise ValueError(
                 f"--batch-size ({self.batch_size}) must divide the rollout samples per step "
@@ -498,7 +512,7 @@ def train_critic(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> 
         weight = _n(mb) / n_global if counts else 0.0
         v = engine(mb, layout)
         old, ret = _cat(mb, "values").to(v.device), _cat(mb, "returns").to(v.device)
-        loss = value_loss(v, old, ret, clip=cfg.value_clip, cu_seqlens=_cu(mb, v.device))
+        loss = value_loss(v, old, ret, clip=cfg.value_clip or None, cu_seqlens=_cu(mb, v.device))
         accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
         total += loss.item() * weight
     optimizer_step(engine, layout)
@@ -589,6 +603,8 @@ def train(cfg: PPOConfig) -> dict:
     reward = s.load_reward()
     lm = s.load_causal_lm()
     engine, start = s.build(Actor(lm, cfg.temperature), len(rows) * cfg.n_samples_per_prompt)
+    # the actor stays in eval mode (dropout off): the ratio to the rollout's log-probs starts at 1
+    engine.eval()
     ref = build_frozen(Actor(s.load_causal_lm(), cfg.temperature), cfg, s.layout)
     critic = None
     if cfg.advantage_estimator == "gae":

@@ -170,6 +170,7 @@ def train(cfg: RMConfig) -> dict:
     )
     model = s.load_score_model()  # *ForSequenceClassification, seeded fresh score head
     engine, start = s.build(RewardModel(model), len(train_set))
+    engine.train()  # from_pretrained returns eval mode: the config's dropout applies in training
     pad = s.tokenizer.pad_token_id
     metrics, last_eval = {}, {}
     for step in s.progress(start):

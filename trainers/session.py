@@ -50,7 +50,7 @@ class Session:
         except ValueError as e:
             common.fail(str(e))
         try:
-            common.check_output_dir(cfg.output_dir, layout)
+            common.check_output_dir(cfg.output_dir, layout, cfg)
         except ValueError as e:
             common.fail(str(e))
         common.seed_everything(cfg.seed)
@@ -117,6 +117,7 @@ class Session:
             if problem:
                 raise ValueError(problem)
             self.total = common.total_steps(len(train), cfg)
+            self.optimizer_steps = self.total
         except (ValueError, KeyError, FileNotFoundError) as e:
             common.fail(str(e).strip("'\""))
         if dropped:
@@ -169,12 +170,20 @@ class Session:
                     f"--rollout-batch-size {cfg.rollout_batch_size} must be a "
                     f"multiple of the data-parallel size {self.layout.dp}"
                 )
+            if cfg.batch_size % self.layout.dp:  # each rank trains batch_size / dp of them
+                raise ValueError(
+                    f"--batch-size {cfg.batch_size} must be a multiple of the data-parallel "
+                    f"size {self.layout.dp}"
+                )
             if len(rows) < cfg.rollout_batch_size:
                 raise ValueError(
                     f"--rollout-batch-size {cfg.rollout_batch_size} is larger than "
                     f"the {len(rows)} training prompts"
                 )
             self.total = cfg.max_steps or len(rows) // cfg.rollout_batch_size * cfg.epochs
+            # the lr schedule counts optimizer steps: ppo_epochs x mini-batches per rollout step
+            per_rollout = cfg.rollout_batch_size * cfg.n_samples_per_prompt // cfg.batch_size
+            self.optimizer_steps = self.total * cfg.ppo_epochs * per_rollout
         except (ValueError, KeyError, FileNotFoundError) as e:
             common.fail(str(e).strip("'\""))
         self.print(
@@ -283,7 +292,9 @@ class Session:
         """PPO's critic engine (``--critic-lr``), saved and resumed with the actor."""
         from trainers.engine import build_engine
 
-        self.critic = build_engine(module, self.cfg, self.layout, self.total, lr=self.cfg.critic_lr)
+        self.critic = build_engine(
+            module, self.cfg, self.layout, self.optimizer_steps, lr=self.cfg.critic_lr
+        )
         if self.cfg.resume and (ckpt := latest_checkpoint(self.cfg.output_dir)) is not None:
             load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
         return self.critic
@@ -293,7 +304,7 @@ class Session:
         Returns (engine, steps already done)."""
         from trainers.engine import build_engine
 
-        engine = build_engine(module, self.cfg, self.layout, self.total)
+        engine = build_engine(module, self.cfg, self.layout, self.optimizer_steps)
         start = 0
         if self.cfg.resume:
             ckpt = latest_checkpoint(self.cfg.output_dir)

@@ -125,6 +125,7 @@ def train(cfg: SFTConfig) -> dict:
 
     lm = s.load_causal_lm()
     engine, start = s.build(CausalLMLoss(lm), len(train_set))
+    engine.train()  # from_pretrained returns eval mode: the config's dropout applies in training
     pad = s.tokenizer.pad_token_id
     metrics = {}
     for step in s.progress(start):
