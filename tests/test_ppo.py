@@ -203,30 +203,82 @@ def test_dr_grpo_loss_aggregation_is_the_constant_normaliser(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppo-one")
-    run_trainer("ppo", FAST + ["--kl-coef", "0.05"], out)
-    return out
+    """``run(args) -> output folder`` of a 1-process run, each argument list run once."""
+    runs: dict = {}
+
+    def run(args: list[str]):
+        if tuple(args) not in runs:
+            out = tmp_path_factory.mktemp("ppo-one")
+            run_trainer("ppo", args, out)
+            runs[tuple(args)] = out
+        return runs[tuple(args)]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    """A reward model folder saved by trainers.rm (a short run)."""
+    from test_trainers import SHORT
+
+    out = tmp_path_factory.mktemp("rm")
+    run_trainer("rm", SHORT, out)
+    return out / "model"
+
+
+def assert_same_step(a: dict, b: dict, keys, rel: float = 1e-4) -> None:
+    for key in keys:
+        assert abs(a[key] - b[key]) <= rel * abs(a[key]) + 1e-6, (key, a[key], b[key])
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "extra",
+    "common,extra",
     [
-        ["--zero-stage", "2"],
-        ["--zero-stage", "3"],  # the reference model defaults to ZeRO-3 too
-        ["--zero-stage", "2", "--ref-offload"],  # reference partitioned and kept on the CPU
+        (["--kl-coef", "0.05"], ["--zero-stage", "2"]),
+        # the reference model defaults to ZeRO-3 too
+        (["--kl-coef", "0.05"], ["--zero-stage", "3"]),
+        # reference partitioned and kept on the CPU
+        (["--kl-coef", "0.05"], ["--zero-stage", "2", "--ref-offload"]),
+        # two optimizer steps per rollout step: each holds the same prompts on 1 and 2 ranks,
+        # and the REINFORCE++-baseline std is the global batch's
+        (["--batch-size", "4", "--advantage-estimator", "reinforce_baseline"], []),
     ],
-    ids=["zero2", "zero3", "zero2-ref-offload"],
+    ids=["zero2", "zero3", "zero2-ref-offload", "mini-batches-reinforce-baseline"],
 )
-def test_data_parallel_reproduces_the_first_step(extra, one_process_run, tmp_path):
+def test_data_parallel_reproduces_the_first_step(common, extra, one_process_run, tmp_path):
     """Prompts are seeded individually, so 2 ranks generate the rollouts of 1 rank; the frozen
     reference model gives the same KL whether replicated, ZeRO-3 partitioned or offloaded."""
-    run_trainer("ppo", FAST + ["--kl-coef", "0.05", *extra], tmp_path / "two", nproc=2)
-    a, b = metrics(one_process_run)[0], metrics(tmp_path / "two")[0]
-    for key in ("reward_mean", "response_length", "policy_loss", "entropy", "kl", "grad_norm"):
-        assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + 1e-6, (key, a[key], b[key])
+    one = one_process_run(FAST + common)
+    run_trainer("ppo", FAST + common + extra, tmp_path / "two", nproc=2)
+    a, b = metrics(one)[0], metrics(tmp_path / "two")[0]
+    keys = ("reward_mean", "response_length", "policy_loss", "entropy", "kl", "grad_norm")
+    assert_same_step(a, b, keys + ("advantage_std",))
     assert all(math.isfinite(x["reward_mean"]) for x in metrics(tmp_path / "two"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_zero3_ranks_with_uneven_work_stay_in_step(reward_model, one_process_run, tmp_path):
+    """ZeRO-3 gathers the weights in every forward, so every rank must run as many as the
+    busiest: here the rank with the long prompt (46 tokens) needs at least 2 micro-batches of
+    56 tokens for its samples, the other 1 (old / reference log-probs, reward-model scores);
+    responses end at different lengths; the one held-out prompt leaves a rank nothing to
+    evaluate. The run equals the 1-process run."""
+    short, long = "first letter: a", "first letter: " + " ".join(["word"] * 40)
+    data, held = tmp_path / "prompts.jsonl", tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [long] + [short] * 3))
+    held.write_text(json.dumps({"prompt": short}) + "\n")
+    args = FAST + ["--dataset", str(data), "--eval-dataset", str(held), "--eval-steps", "1"]
+    args += ["--reward-model", str(reward_model), "--micro-batch-tokens", "56"]
+    one = one_process_run(args)
+    run_trainer("ppo", args + ["--zero-stage", "3"], tmp_path / "two", nproc=2, timeout=300)
+    a, b = metrics(one), metrics(tmp_path / "two")
+    assert [x["step"] for x in b] == [1, 2]
+    keys = ("reward_mean", "reward_std", "eval_reward", "policy_loss", "kl", "grad_norm")
+    assert_same_step(a[0], b[0], keys)
+    assert math.isfinite(b[1]["eval_reward"])
 
 
 @pytest.mark.slow
@@ -235,6 +287,9 @@ def test_data_parallel_reproduces_the_first_step(extra, one_process_run, tmp_pat
     "extra,untrained",
     [
         (["--rollout-distribution", "scatter"], True),
+        # each ring rank scores its own whole samples with the reward model (no ring split);
+        # ZeRO-3 over the ring ranks: their generation steps and forwards stay in step
+        (["--rollout-distribution", "scatter", "--reward-model", "RM", "--zero-stage", "3"], False),
         (
             [
                 "--rollout-distribution",
@@ -247,15 +302,17 @@ def test_data_parallel_reproduces_the_first_step(extra, one_process_run, tmp_pat
             False,
         ),
     ],
-    ids=["scatter-grpo", "broadcast-gae"],
+    ids=["scatter-grpo", "scatter-reward-model-zero3", "broadcast-gae"],
 )
-def test_ring_rollouts_reproduce_the_single_process_run(extra, untrained, tmp_path):
+def test_ring_rollouts_reproduce_the_single_process_run(extra, untrained, request, tmp_path):
     """Ring ranks generate shares and keep only token shards; both steps (rollouts, KL,
     advantages, losses, gradient norms, critic) equal the 1-process run. broadcast-gae runs
     the default (warm-started) model, whose 2-token answers leave some ring ranks without an
     action token; scatter-grpo the untrained one on the "reverse" prompts: with GRPO the
     warm model's paired answers cancel many gradient entries to rounding noise, which Adam's
     first step turns into full-size updates of either sign, so step 2 would compare noise."""
+    if "RM" in extra:
+        extra = [str(request.getfixturevalue("reward_model")) if x == "RM" else x for x in extra]
     if untrained:
         from trainers.data import make_default_path
         from trainers.tiny import ensure_tiny
@@ -366,13 +423,10 @@ def test_ppo_help_lists_the_rl_flags():
 
 
 @pytest.mark.slow
-def test_reward_model_from_trainers_rm_scores_rollouts(tmp_path):
+def test_reward_model_from_trainers_rm_scores_rollouts(reward_model, tmp_path):
     """A reward model saved by trainers.rm loads by path and scores the rollouts (normalised
     by its saved reward_mean / reward_std)."""
-    from test_trainers import SHORT
-
-    run_trainer("rm", SHORT, tmp_path / "rm")
-    run_trainer("ppo", FAST + ["--reward-model", str(tmp_path / "rm" / "model")], tmp_path / "p")
+    run_trainer("ppo", FAST + ["--reward-model", str(reward_model)], tmp_path / "p")
     m = metrics(tmp_path / "p")
     assert len(m) == 2 and all(math.isfinite(x["reward_mean"]) for x in m)
     assert m[0]["reward_std"] > 0  # real scores, not a constant

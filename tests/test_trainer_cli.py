@@ -272,6 +272,16 @@ def test_wandb_offline_writes_into_output_dir(tmp_path, monkeypatch):
     assert len(runs) == 1
     assert any(n.endswith(".wandb") for n in os.listdir(tmp_path / "wandb" / runs[0]))
     assert len(read_metrics(str(tmp_path))) == 2
+    # --resume continues the same wandb run (its id is kept in the output folder)
+    lg = MetricsLogger(str(tmp_path), kind="wandb", run_name="t", resume=True)
+    lg.log({"loss": 0.25}, 3)
+    lg.close()
+    runs = sorted(n for n in os.listdir(tmp_path / "wandb") if n.startswith("offline-run-"))
+    run_id = (tmp_path / "wandb" / "run_id").read_text()
+    assert len(runs) == 2 and all(f"-{run_id}" in n for n in runs), (runs, run_id)
+    fresh = MetricsLogger(str(tmp_path / "other"), kind="wandb")  # a new run: a new id
+    fresh.close()
+    assert (tmp_path / "other" / "wandb" / "run_id").read_text() != run_id
 
 
 def test_wandb_missing_and_bad_kind(tmp_path, monkeypatch):

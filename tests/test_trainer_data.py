@@ -227,6 +227,22 @@ def test_load_dataset_dict_splits(tmp_path):
         load_mixture(str(tmp_path / "dd"), None, "validation", 0, None)
 
 
+def test_empty_or_malformed_files_are_one_clear_error(tmp_path):
+    cases = {
+        "empty.jsonl": ("", "the file is empty"),
+        "blank.jsonl": ("\n\n", "the file holds no rows"),
+        "header.csv": ("prompt\n", "the file holds no rows"),
+        "cut.jsonl": ('{"prompt": "a"}\n{"prompt": \n', "cannot be read as json"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"{name}'.*{message}"):
+            load_mixture(str(tmp_path / name), None, "train", 0, None)
+    datasets.Dataset.from_list(ROWS).select([]).to_parquet(str(tmp_path / "zero.parquet"))
+    with pytest.raises(ValueError, match="zero.parquet': the file holds no rows"):
+        load_mixture(str(tmp_path / "zero.parquet"), None, "train", 0, None)
+
+
 def test_load_errors(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):

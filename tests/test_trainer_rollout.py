@@ -3,13 +3,10 @@ the toy task's rewards), in-process on the bundled tiny model."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import math
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -223,31 +220,28 @@ def test_our_attention_matches_sdpa_greedy(tiny, prompts):
     assert a == b and all(len(r) > 1 for r in a)
 
 
-def test_zero3_gathering_is_entered_once(tiny, prompts, monkeypatch):
+def test_zero3_decoding_steps_are_synced_over_ranks(tiny, prompts, monkeypatch):
+    """ZeRO-3 gathers weights in every forward, so with more than one process each decoding
+    step is synced (transformers' synced_gpus: a rank whose responses ended keeps stepping with
+    the others); without ZeRO-3 or with one process nothing is synced. The multi-rank run:
+    test_ppo.py::test_zero3_ranks_with_uneven_work_stay_in_step."""
     tok, ours, _ = tiny
-    entered = []
+    synced = []
+    real = ours.generate
 
-    @contextlib.contextmanager
-    def gathered_parameters(params):
-        entered.append(len(params))
-        yield
+    def spy(**kw):
+        synced.append(kw["synced_gpus"])
+        return real(**{**kw, "synced_gpus": False})  # one process here: nobody to sync with
 
-    fake = types.ModuleType("deepspeed")
-    fake.zero = types.SimpleNamespace(GatheredParameters=gathered_parameters)
-    monkeypatch.setitem(sys.modules, "deepspeed", fake)
-    n_params = len(list(ours.parameters()))
+    monkeypatch.setattr(ours, "generate", spy)
     kw = dict(n_samples=1, max_new_tokens=2, greedy=True)
-    HFGenerationEngine(ours, tok).generate(prompts, **kw)
-    assert entered == []  # gather_zero3=False
-    gen = HFGenerationEngine(ours, tok, gather_zero3=True)
-    gen.generate(prompts, **kw)
-    assert entered == [n_params]
-    with gen.gathered():
-        gen.generate(prompts[:1], **kw)
-        gen.generate(prompts[1:], **kw)
-    assert entered == [n_params, n_params]  # once around both calls
-    gen.generate(prompts, **kw)
-    assert len(entered) == 3  # the outer gather ended
+    assert not HFGenerationEngine(ours, tok, zero3=True).synced  # a world of one
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    plain, zero3 = HFGenerationEngine(ours, tok), HFGenerationEngine(ours, tok, zero3=True)
+    assert not plain.synced and zero3.synced
+    assert plain.generate(prompts, **kw) == zero3.generate(prompts, **kw)
+    assert synced == [False, True]
 
 
 @pytest.mark.parametrize(

@@ -211,6 +211,23 @@ def test_rm_layouts_give_the_same_losses(name, rm_reference, tmp_path):
     assert abs(ref["eval_reward_mean"] - got["eval_reward_mean"]) < 1e-4
 
 
+@pytest.mark.slow
+def test_eval_split_of_the_training_dataset(tmp_path):
+    """``--split train --eval-split test`` on a save_to_disk folder evaluates its test split
+    (no --eval-dataset needed, nothing held out of train)."""
+    import datasets
+
+    from trainers.data import make_default_path
+
+    rows = datasets.load_dataset("json", data_files=make_default_path("sft_toy.jsonl"))["train"]
+    parts = datasets.DatasetDict(train=rows.select(range(40)), test=rows.select(range(40, 47)))
+    parts.save_to_disk(str(tmp_path / "dd"))
+    args = ["--dataset", str(tmp_path / "dd"), "--eval-split", "test", "--max-steps", "1"]
+    proc = run_trainer("sft", args + ["--batch-size", "8", "--logger", "none"], tmp_path / "o")
+    assert "40 training / 7 eval samples" in proc.stderr, proc.stderr[-2000:]
+    assert "eval_loss" in metrics(tmp_path / "o")[-1]
+
+
 # ----------------------------------------------------------------------------- resume
 @pytest.mark.slow
 def test_resume_after_a_crash_during_a_save_repeats_the_run(tmp_path):
@@ -235,6 +252,10 @@ def test_resume_after_a_crash_during_a_save_repeats_the_run(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-6 * abs(a[key]), (key, a, b)
     assert not (ckpts / ".tmp-step-000006").exists()
     assert (ckpts / "step-000006" / "trainer_state.json").is_file()
+    # a checkpoint of another layout is refused up front, in one line
+    proc = run_trainer("sft", args + ["--resume", "--zero-stage", "1"], tmp_path, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: --resume:" in proc.stderr and "zero_stage 0; this run has" in proc.stderr
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):

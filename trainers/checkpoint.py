@@ -92,6 +92,21 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
     return final
 
 
+def check_layout(path: Path, layout: dict) -> None:
+    """ValueError unless the checkpoint in ``path`` was saved by the same process layout
+    (``layout``: sizes and ZeRO stage, as the trainer saved them in its state)."""
+    saved = json.loads((path / "trainer_state.json").read_text()).get("layout")
+    if saved is not None and saved != layout:
+
+        def show(x: dict) -> str:
+            return ", ".join(f"{k} {v}" for k, v in x.items())
+
+        raise ValueError(
+            f"--resume: {path} was saved by a run with {show(saved)}; this run has "
+            f"{show(layout)}: resume with the same torchrun process count and parallelism flags"
+        )
+
+
 def load_checkpoint(engine, path: Path, tag: str = _TAG, rng: bool = True) -> dict:
     """Restore ``engine`` (model, optimizer, scheduler) from ``tag`` and, with ``rng``, this
     rank's RNG; returns the trainer state (``step`` and what the trainer saved)."""

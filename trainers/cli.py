@@ -58,14 +58,26 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _help(f: dataclasses.Field, tp: type) -> str:
+def _help(f: dataclasses.Field, tp: type, nullable: bool) -> str:
     text = f.metadata.get("help", "")
     if tp is bool and f.default is not True:
         text += " (flag)"
     elif "(default:" not in text:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         text += f" (default: {default})"
+    if nullable and tp in (int, float) and f.default is not None and "none" not in text.lower():
+        text += "; 'none' unsets it"
     return text.strip().replace("%", "%%")  # argparse %-formats help strings
+
+
+def _or_none(tp: type):
+    """argparse type for an ``int | None`` / ``float | None`` flag: 'none' or 'null' -> None."""
+
+    def parse(text: str):
+        return None if text.strip().lower() in ("none", "null") else tp(text)
+
+    parse.__name__ = tp.__name__  # argparse's message: "invalid int value: 'x'"
+    return parse
 
 
 def _description(cls: type) -> str | None:
@@ -92,7 +104,7 @@ def build_parser(
         metavar="FILE.yaml",
         help="YAML mapping of option names to values, applied first (flags given here win)",
     )
-    for name, (f, tp, _) in _fields(cls).items():
+    for name, (f, tp, nullable) in _fields(cls).items():
         if not f.metadata.get("cli", True):
             continue
         if name == "config":
@@ -102,11 +114,11 @@ def build_parser(
                 f"{cls.__name__}.{name}: expected a type in int, float, str, bool or X | None, "
                 f"got {f.type!r}; give it metadata={{'cli': False}} or change the type"
             )
-        kw: dict[str, Any] = {"help": _help(f, tp), "dest": name}
+        kw: dict[str, Any] = {"help": _help(f, tp, nullable), "dest": name}
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction if f.default is True else "store_true"
         else:
-            kw["type"] = tp
+            kw["type"] = _or_none(tp) if nullable and tp is not str else tp
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
         parser.add_argument(_flag(name), **kw)

@@ -27,7 +27,10 @@ class TrainConfig:
     dataset_probs: str | None = _f(None, "comma-separated mixing probabilities, one per dataset")
     split: str = _f("train", "split of --dataset that trains (plain files have only 'train')")
     eval_dataset: str | None = _f(None, "separate evaluation data (same formats as --dataset)")
-    eval_split: str = _f("train", "split of --eval-dataset that evaluates")
+    eval_split: str = _f(
+        "train",
+        "split that evaluates: of --eval-dataset, else of --dataset when it differs from --split",
+    )
     eval_ratio: float = _f(
         0.05,
         "without --eval-dataset, hold out this seeded fraction of --dataset for evaluation "
@@ -76,7 +79,11 @@ class TrainConfig:
     seed: int = _f(0, "seed for data order, held-out split and initialisation")
     # outputs
     output_dir: str = _f("runs/sft", "metrics.jsonl, TensorBoard, plot, checkpoints and the model")
-    save_steps: int = _f(0, "save a resumable checkpoint every N steps (0: only at the end)")
+    save_steps: int = _f(
+        0,
+        "save a resumable checkpoint every N steps (0: none; the final weights always go to "
+        "<output-dir>/model)",
+    )
     eval_steps: int = _f(0, "evaluate every N steps (0: only at the end)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in --output-dir")
     overwrite: bool = _f(

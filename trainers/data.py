@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import datasets
+from datasets.exceptions import DatasetGenerationError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -38,7 +39,17 @@ def _load_one(item: str, split: str) -> datasets.Dataset:
                 f"dataset {item!r}: expected a file ending in {sorted(_BUILDERS)} or a folder "
                 f"from save_to_disk, got suffix {path.suffix!r}"
             )
-        loaded = datasets.load_dataset(builder, data_files=str(path))
+        if path.stat().st_size == 0:
+            raise ValueError(f"dataset {item!r}: the file is empty (no rows)")
+        try:
+            loaded = datasets.load_dataset(builder, data_files=str(path))
+        except DatasetGenerationError as e:  # malformed JSON / CSV / parquet
+            cause = e.__cause__ or e
+            raise ValueError(f"dataset {item!r}: cannot be read as {builder}: {cause}") from None
+        except ValueError as e:  # datasets' "Instruction 'train' corresponds to no data!"
+            if "no data" not in str(e):
+                raise
+            raise ValueError(f"dataset {item!r}: the file holds no rows") from None
     else:
         raise FileNotFoundError(f"dataset {item!r}: no such file or folder")
     splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]

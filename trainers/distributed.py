@@ -118,6 +118,16 @@ def sum_across(values: list[float], layout: Layout, group=None) -> list[float]:
     return t.tolist()
 
 
+def max_across(value: int, layout: Layout) -> int:
+    """The largest ``value`` over all ranks (how many forwards every rank must run when ZeRO-3
+    gathers weights in each one)."""
+    if layout.world == 1:
+        return value
+    t = torch.tensor([value], device=layout.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 def peak_memory_mb(layout: Layout) -> float:
     """Peak memory of the busiest rank, MiB: CUDA allocator peak, else the process's peak RSS."""
     if layout.device.type == "cuda":

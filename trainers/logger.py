@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 from typing import Any
 
 KINDS = ("tensorboard", "wandb", "none")
@@ -95,7 +96,21 @@ class MetricsLogger:
                 mode=os.environ.get("WANDB_MODE", "offline"),
                 name=run_name,
                 config=config,
+                **self._wandb_run(),
             )
+
+    def _wandb_run(self) -> dict:
+        """A fresh run gets a new id, kept in ``<output_dir>/wandb/run_id``; a resumed run
+        continues the run of that id (one wandb run per training run)."""
+        path = os.path.join(self.output_dir, "wandb", "run_id")
+        if self.resume and os.path.isfile(path):
+            with open(path) as fh:
+                return {"id": fh.read().strip(), "resume": "allow"}
+        run_id = secrets.token_hex(4)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(run_id)
+        return {"id": run_id}
 
     def _open(self, step: int) -> None:
         """First ``log``: truncate a resumed file at ``step``; TensorBoard hides older events at

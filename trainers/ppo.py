@@ -26,7 +26,7 @@ from rlhf_kernels.ops.losses import kl_penalty, policy_loss, value_loss
 from rlhf_kernels.packing import plan_micro_batches
 from trainers import common, ppo_ring, rewards
 from trainers.config import TrainConfig
-from trainers.distributed import Layout, sum_across
+from trainers.distributed import Layout, max_across, sum_across
 from trainers.engine import accumulate, build_frozen, optimizer_step
 
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
@@ -109,6 +109,7 @@ class PPOConfig(TrainConfig):
     )
     # PPO defaults differ from SFT's
     batch_size: int = _f(32, "rollout samples per optimizer step (all ranks together)")
+    epochs: int = _f(1, "passes over the prompts (with --max-steps none), reshuffled each")
     input_key: str = _f("prompt", "column holding the prompt")
     eval_ratio: float = _f(0.02, "held-out prompts, evaluated with greedy decoding")
     lr: float = _f(1e-3, "actor AdamW learning rate")
@@ -118,7 +119,7 @@ class PPOConfig(TrainConfig):
         "rollout step); without it Adam's first steps can collapse a small policy",
     )
     lr_scheduler: str = _f("constant", "decay after warm-up", choices=("cosine", "constant"))
-    max_steps: int | None = _f(60, "rollout steps (None: one pass over the prompts)")
+    max_steps: int | None = _f(60, "rollout steps ('none': --epochs passes over the prompts)")
     max_len: int = _f(128, "longest prompt in tokens")
     output_dir: str = _f("runs/ppo", "metrics.jsonl, TensorBoard, plot, checkpoints, model")
 
@@ -255,47 +256,43 @@ class Actor(torch.nn.Module):
 
 
 # ----------------------------------------------------------------------------- rollouts
-def generate(gen, tokenizer, rows, cfg: PPOConfig, step: int, first_index: int, greedy=False):
-    """Responses for ``rows`` (this rank's prompts): seeded per prompt, so a prompt gets the same
-    responses whichever rank generates it."""
+def generate(gen, tokenizer, rows, cfg, layout, step: int, positions: list, greedy=False):
+    """Responses for ``rows`` (this rank's prompts; ``positions``: their places in the step's
+    rollout batch): seeded per prompt, so a prompt gets the same responses whichever rank
+    generates it. Collective when ``gen.synced`` (every rank calls it, with or without rows)."""
     from trainers.data import render_prompt
 
     samples, texts = [], []
-    # ZeRO-3: one gather per call on every rank (a rank may have no prompt), so the
-    # data-parallel collectives line up
-    with gen.gathered():
-        _generate_rows(
-            gen, tokenizer, rows, cfg, step, first_index, greedy, samples, texts, render_prompt
-        )
-    return samples, texts
-
-
-def _generate_rows(
-    gen, tokenizer, rows, cfg, step, first_index, greedy, samples, texts, render_prompt
-) -> None:
-    for i, row in enumerate(rows):
+    n_samples = 1 if greedy else cfg.n_samples_per_prompt
+    # ZeRO-3: ranks step together; one with fewer prompts makes dummy calls after its own
+    missing = max_across(len(rows), layout) - len(rows) if gen.synced else 0
+    for pos, row in zip(positions, rows, strict=True):
         p = render_prompt(
             tokenizer, row[cfg.input_key], cfg.input_template, cfg.apply_chat_template
         )
         outs = gen.generate(
             [p],
-            n_samples=1 if greedy else cfg.n_samples_per_prompt,
+            n_samples=n_samples,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             greedy=greedy,
-            seed=cfg.seed * 1_000_003 + step * 10_007 + first_index + i,
+            seed=cfg.seed * 1_000_003 + step * 10_007 + pos,
         )
         for r in outs:
             samples.append(Sample(torch.tensor(p + r), len(p)))
             texts.append((row, tokenizer.decode(r, skip_special_tokens=True)))
+    for _ in range(missing):
+        gen.generate([[tokenizer.eos_token_id]], n_samples=n_samples, max_new_tokens=1, greedy=True)
+    return samples, texts
 
 
 def score(reward, tokenizer, samples, texts, cfg: PPOConfig, layout: Layout) -> None:
-    """Fill ``sample.reward`` from the reward function or reward model."""
-    if not samples:
-        return
+    """Fill ``sample.reward`` from the reward function or reward model. Collective with a
+    reward model: every rank calls it, also one without samples."""
     if not isinstance(reward, torch.nn.Module):  # a reward function
+        if not samples:
+            return
         cols = [k for k in texts[0][0] if k != cfg.input_key] if texts else []
         vals = rewards.score(
             reward,
@@ -304,35 +301,64 @@ def score(reward, tokenizer, samples, texts, cfg: PPOConfig, layout: Layout) -> 
             [t for _, t in texts],
             {k: [row[k] for row, _ in texts] for k in cols},
         )
-    else:  # a reward model: value at each sequence's last token, normalised by its stats
-        from trainers.modeling import RewardModel
-
-        with torch.no_grad():
-            mb, _, packed = common.packed_inputs([s.ids for s in samples], {}, None, layout)
-            last = (packed.cu_seqlens[1:].long() - 1).to(layout.device)
-            r = RewardModel(reward)(**mb.inputs, last_index=last)
-        mean = getattr(reward.config, "reward_mean", 0.0)
-        std = getattr(reward.config, "reward_std", 1.0) or 1.0
-        vals = ((r - mean) / std).tolist()
+    else:
+        vals = model_rewards(reward, [s.ids for s in samples], cfg, layout, tokenizer.pad_token_id)
     for s, v in zip(samples, vals):
         s.reward = float(v)
+
+
+@torch.no_grad()
+def model_rewards(model, seqs: list[torch.Tensor], cfg, layout: Layout, pad_id: int) -> list:
+    """Reward-model scores of whole ``seqs`` (this rank's, no ring split): the value at each
+    sequence's last token, normalised by the model's saved ``reward_mean`` / ``reward_std``.
+    Runs in ``--micro-batch-tokens`` micro-batches, the same number on every rank (padded with
+    a 2-token dummy), since a ZeRO-3 reward model gathers its weights in each forward."""
+    from trainers.modeling import RewardModel
+
+    plain = dataclasses.replace(layout, ring=1, ring_group=None)
+    plan = plan_micro_batches([len(x) for x in seqs], cfg.micro_batch_tokens)[0]
+    out = [0.0] * len(seqs)
+    for m in range(max_across(len(plan), layout)):
+        part = [seqs[i] for i in plan[m]] if m < len(plan) else [torch.tensor([pad_id, pad_id])]
+        mb, _, packed = common.packed_inputs(part, {}, None, plain)
+        last = (packed.cu_seqlens[1:].long() - 1).to(layout.device)
+        r = RewardModel(model)(**mb.inputs, last_index=last).tolist()
+        for i, v in zip(plan[m] if m < len(plan) else [], r):
+            out[i] = v
+    mean = getattr(model.config, "reward_mean", 0.0)
+    std = getattr(model.config, "reward_std", 1.0) or 1.0
+    return [(v - mean) / std for v in out]
 
 
 def micro_batches(samples: list[Sample], cfg, layout: Layout) -> list[list[Sample]]:
     """Token-budget micro-batches of this rank's samples; every data-parallel rank gets the
     same count (empty lists pad the shorter plans, so DeepSpeed's collectives line up)."""
     plan = plan_micro_batches([len(s.ids) for s in samples], cfg.micro_batch_tokens)[0]
-    n = torch.tensor([len(plan)], device=layout.device)
-    if layout.world > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return [[samples[i] for i in mb] for mb in plan] + [[]] * (int(n) - len(plan))
+    n = max_across(len(plan), layout)
+    return [[samples[i] for i in mb] for mb in plan] + [[]] * (n - len(plan))
+
+
+def dummy_sample(pad_id: int) -> Sample:
+    """A 2-token sample with one action: the forward of a rank with fewer micro-batches (its
+    results count 0), so every rank runs as many forwards as the busiest."""
+    z = torch.zeros(1)
+    return Sample(
+        torch.tensor([pad_id, pad_id]), 1, old_logp=z, ref_logp=z, advantages=z, values=z, returns=z
+    )
 
 
 @torch.no_grad()
-def make_experience(samples, actor, ref, critic, cfg: PPOConfig, layout: Layout) -> dict:
-    """Old/reference log-probs, values, KL, advantages and returns (all over actions)."""
+def make_experience(
+    samples, actor, ref, critic, cfg: PPOConfig, layout: Layout, pad_id: int
+) -> dict:
+    """Old/reference log-probs, values, KL, advantages and returns (all over actions). Every
+    rank runs as many forwards as the busiest (ZeRO-3 gathers weights in each one)."""
     for mb in micro_batches(samples, cfg, layout):
-        if not mb:
+        if not mb:  # padding: the forwards only
+            pad = [dummy_sample(pad_id)]
+            actor(pad, layout), ref(pad, layout)
+            if critic is not None:
+                critic(pad, layout)
             continue
         logp, _ = actor(mb, layout)
         for s, x in zip(mb, split(logp, mb)):
@@ -346,15 +372,20 @@ def make_experience(samples, actor, ref, critic, cfg: PPOConfig, layout: Layout)
     return advantages(samples, cfg, layout)
 
 
-def global_whiten(x: torch.Tensor, layout: Layout, repeats: int) -> torch.Tensor:
-    """``whiten`` with the mean and variance of every data-parallel rank's tokens (each value
-    is held by ``repeats`` ranks)."""
+def global_moments(x: torch.Tensor, layout: Layout, repeats: int) -> tuple[float, float]:
+    """Mean and unbiased variance of the values of every data-parallel rank (each value is held
+    by ``repeats`` ranks)."""
     n, tot, sq = sum_across(
         [v / repeats for v in (x.numel(), x.sum().item(), x.double().square().sum().item())],
         layout,
     )
     mean = tot / max(n, 1)
-    var = max(sq - n * mean * mean, 0.0) / max(n - 1, 1)  # unbiased, as whiten()
+    return mean, max(sq - n * mean * mean, 0.0) / max(n - 1, 1)
+
+
+def global_whiten(x: torch.Tensor, layout: Layout, repeats: int) -> torch.Tensor:
+    """``whiten`` with the statistics of every data-parallel rank's tokens."""
+    mean, var = global_moments(x, layout, repeats)
     return (x - mean) * (var + 1e-8) ** -0.5
 
 
@@ -367,7 +398,10 @@ def advantages(samples: list[Sample], cfg: PPOConfig, layout: Layout, repeats: i
     kl = kl_penalty(old, torch.cat([s.ref_logp for s in samples]), cfg.kl_estimator)
     cu = common_cu([s.n_act for s in samples])
     scalar = torch.tensor([s.reward for s in samples])
-    if cfg.advantage_estimator in GROUP_ESTIMATORS:
+    if cfg.advantage_estimator == "reinforce_baseline":  # the std over the global batch
+        std = global_moments(scalar, layout, repeats)[1] ** 0.5
+        scalar = group_advantages(scalar, cfg.n_samples_per_prompt, "dr_grpo") / (std + 1e-6)
+    elif cfg.advantage_estimator in GROUP_ESTIMATORS:
         scalar = group_advantages(scalar, cfg.n_samples_per_prompt, cfg.advantage_estimator)
     tok_r = torch.zeros_like(old)
     tok_r[cu[1:] - 1] = scalar  # the reward lands on the last response token
@@ -434,21 +468,10 @@ def update_batches(batch, cfg, layout: Layout, pad_id: int):
     """``(micro-batch, counts)`` pairs of one optimizer step: token-budget micro-batches of
     ``Sample``s, or the ring's shards; every rank gets the same number (padding ones count 0)."""
     if batch and isinstance(batch[0], ppo_ring.Shard):
-        n = torch.tensor([len(batch)], device=layout.device)
-        if layout.world > 1:
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        pads = [ppo_ring.dummy(layout, pad_id, cfg) for _ in range(int(n) - len(batch))]
+        pads = ppo_ring.padding(len(batch), layout, pad_id, cfg)
         return [(mb, True) for mb in batch] + [(mb, False) for mb in pads]
-    dummy = Sample(
-        torch.tensor([pad_id, pad_id]),
-        1,
-        old_logp=torch.zeros(1),
-        ref_logp=torch.zeros(1),
-        advantages=torch.zeros(1),
-        values=torch.zeros(1),
-        returns=torch.zeros(1),
-    )
-    return [(mb, True) if mb else ([dummy], False) for mb in micro_batches(batch, cfg, layout)]
+    pad = [dummy_sample(pad_id)]
+    return [(mb, True) if mb else (pad, False) for mb in micro_batches(batch, cfg, layout)]
 
 
 def _batch_seqs(batch, layout: Layout) -> int:
@@ -524,7 +547,9 @@ def evaluate(session, gen, reward, rows, cfg) -> dict:
     """Greedy responses to the held-out prompts (split over data-parallel ranks)."""
     layout = session.layout
     mine = rows[layout.dp_rank :: layout.dp]
-    samples, texts = generate(gen, session.tokenizer, mine, cfg, 0, 0, greedy=True)
+    samples, texts = generate(
+        gen, session.tokenizer, mine, cfg, layout, 0, range(len(mine)), greedy=True
+    )
     # every rank passes the collective check, also one without held-out prompts
     session.on_every_rank(score, reward, session.tokenizer, samples, texts, cfg, layout)
     tot, n = sum_across(
@@ -553,12 +578,11 @@ class PeakMemory:
         return self.rss.stop()
 
 
-def ring_share(gen, session, reward, cfg, step, first, share) -> list[dict]:
-    """``distributed_rollouts``' generate: this ring rank's share of ``(index, row)`` prompts
-    -> scored sample dicts (token ids and targets, plus metadata)."""
-    rows = [row for _, row in share]
-    start = first + (share[0][0] if share else 0)
-    samples, texts = generate(gen, session.tokenizer, rows, cfg, step, start)
+def ring_share(gen, session, reward, cfg, step, share) -> list[dict]:
+    """``distributed_rollouts``' generate: this ring rank's share of ``(position, row)``
+    prompts -> scored sample dicts (token ids and targets, plus metadata)."""
+    rows, positions = [row for _, row in share], [pos for pos, _ in share]
+    samples, texts = generate(gen, session.tokenizer, rows, cfg, session.layout, step, positions)
     score(reward, session.tokenizer, samples, texts, cfg, session.layout)
     return [
         {
@@ -570,6 +594,21 @@ def ring_share(gen, session, reward, cfg, step, first, share) -> list[dict]:
         }
         for x, t in zip(samples, texts)
     ]
+
+
+def prompt_positions(cfg: PPOConfig, layout: Layout) -> list[int]:
+    """Places in each step's rollout batch of this rank's prompts. When every mini-batch
+    (``--batch-size`` samples) holds whole prompts that split evenly over the data-parallel
+    ranks, rank ``r`` takes the ``r``-th slice of each, so an optimizer step updates on the same
+    samples whatever the rank count; otherwise each rank takes a contiguous share."""
+    n_prompts, n, size = cfg.rollout_batch_size, cfg.n_samples_per_prompt, cfg.batch_size
+    dp, r = layout.dp, layout.dp_rank
+    per_batch = size // n  # prompts per mini-batch
+    if size % n == 0 and per_batch % dp == 0:
+        k = per_batch // dp
+        return [b * per_batch + r * k + i for b in range(n_prompts // per_batch) for i in range(k)]
+    k = n_prompts // dp
+    return list(range(r * k, (r + 1) * k))
 
 
 def resolve_defaults(cfg: PPOConfig) -> PPOConfig:
@@ -610,29 +649,31 @@ def train(cfg: PPOConfig) -> dict:
     if cfg.advantage_estimator == "gae":
         critic = s.build_critic(TokenCritic(s.load_score_model(cfg.critic_model)))
     critic_module = critic.module if critic is not None else None
-    gen = HFGenerationEngine(lm, s.tokenizer, gather_zero3=cfg.zero_stage == 3)
+    gen = HFGenerationEngine(lm, s.tokenizer, zero3=cfg.zero_stage == 3)
     pad = s.tokenizer.pad_token_id
-    per_rank = cfg.rollout_batch_size // s.layout.dp
+    positions = prompt_positions(cfg, s.layout)
     metrics: dict = {}
     # step 1 logs the greedy reward before any update; later eval steps after theirs
     before = evaluate(s, gen, reward, eval_rows, cfg) if (eval_rows and start == 0) else {}
     for step in s.progress(start):
         t0 = time.perf_counter()
-        first = ((step - 1) * cfg.rollout_batch_size) % len(rows) + s.layout.dp_rank * per_rank
-        mine = [rows[(first + i) % len(rows)] for i in range(per_rank)]
+        # a seeded shuffle per pass over the prompts; responses are seeded by step and position,
+        # so they do not depend on the rank that generates them
+        order = common.batch_indices(step, len(rows), cfg.rollout_batch_size, cfg.seed)
+        mine = [rows[order[j]] for j in positions]
         peak = PeakMemory(s.layout.device)  # the rollout phase alone
         received = 0
         if s.layout.ring == 1:
-            samples, texts = generate(gen, s.tokenizer, mine, cfg, step, first)
+            samples, texts = generate(gen, s.tokenizer, mine, cfg, s.layout, step, positions)
             s.on_every_rank(score, reward, s.tokenizer, samples, texts, cfg, s.layout)
-            exp = make_experience(samples, engine.module, ref, critic_module, cfg, s.layout)
+            exp = make_experience(samples, engine.module, ref, critic_module, cfg, s.layout, pad)
             n_batches = len(samples) * s.layout.dp // cfg.batch_size
             size = len(samples) // n_batches
             batches = [samples[b * size : (b + 1) * size] for b in range(n_batches)]
         else:  # each ring rank generates a share and keeps only its token shards
-            make = functools.partial(ring_share, gen, s, reward, cfg, step, first)
-            shards, text, received = ppo_ring.rollouts(s, make, list(enumerate(mine)), cfg)
-            exp = ppo_ring.experience(shards, engine.module, ref, critic_module, cfg, s.layout)
+            make = functools.partial(ring_share, gen, s, reward, cfg, step)
+            shards, text, received = ppo_ring.rollouts(s, make, list(zip(positions, mine)), cfg)
+            exp = ppo_ring.experience(shards, engine.module, ref, critic_module, cfg, s.layout, pad)
             samples = [x for sh in shards for x in sh.samples]
             texts, batches = [text] if text else [], [shards]
         t1 = time.perf_counter()
@@ -641,12 +682,13 @@ def train(cfg: PPOConfig) -> dict:
             t = torch.tensor(rollout_mem, device=s.layout.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rollout_mem = t.tolist()
-        upd: dict = {}
+        updates = []  # one dict per optimizer step; the step logs their means
         for _ in range(cfg.ppo_epochs):
             for batch in batches:
-                upd = train_actor(engine, batch, cfg, s.layout, pad)
+                updates.append(train_actor(engine, batch, cfg, s.layout, pad))
                 if critic is not None:
-                    upd["value_loss"] = train_critic(critic, batch, cfg, s.layout, pad)
+                    updates[-1]["value_loss"] = train_critic(critic, batch, cfg, s.layout, pad)
+        upd = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         t2 = time.perf_counter()
         rep = s.layout.tp * s.layout.ring  # ranks holding each sample's bookkeeping
         r_sum, r_sq, n, length, tokens = sum_across(

@@ -119,8 +119,9 @@ def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], object, in
     return shards, first_text, received
 
 
-def experience(shards: list[Shard], actor, ref, critic, cfg, layout: Layout) -> dict:
-    """Forwards on the shards, whole-sample advantages, local slots back."""
+def experience(shards: list[Shard], actor, ref, critic, cfg, layout: Layout, pad_id: int) -> dict:
+    """Forwards on the shards (plus padding ones: ring groups may stream different counts, and
+    ZeRO-3 gathers weights in every forward), whole-sample advantages, local slots back."""
     from trainers.ppo import advantages
 
     with torch.no_grad():
@@ -129,6 +130,10 @@ def experience(shards: list[Shard], actor, ref, critic, cfg, layout: Layout) -> 
             sh.ref_logp = ref(sh, layout)[0].float().cpu()
             if critic is not None:
                 sh.values = critic(sh, layout).float().cpu()
+        for sh in padding(len(shards), layout, pad_id, cfg):
+            actor(sh, layout), ref(sh, layout)
+            if critic is not None:
+                critic(sh, layout)
     samples = []
     for sh in shards:  # gather each per-token field over the ring, cut into samples
         cu = sh.plan.cu_seqlens
@@ -151,6 +156,13 @@ def experience(shards: list[Shard], actor, ref, critic, cfg, layout: Layout) -> 
                 whole[cu[i] + s.n_prompt - 1 : cu[i + 1] - 1] = getattr(s, name)
             setattr(sh, name, sh.plan.shard(whole, layout.ring_rank)[sh.actions])
     return stats
+
+
+def padding(n: int, layout: Layout, pad_id: int, cfg) -> list[Shard]:
+    """Dummy shards that bring this rank's ``n`` micro-batches up to the busiest rank's."""
+    from trainers.distributed import max_across
+
+    return [dummy(layout, pad_id, cfg) for _ in range(max_across(n, layout) - n)]
 
 
 def dummy(layout: Layout, pad_id: int, cfg) -> Shard:

@@ -8,12 +8,12 @@ the same protocol and replace it without touching the trainer.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 
 @runtime_checkable
@@ -25,7 +25,13 @@ class GenerationEngine(Protocol):
     when EOS was produced, else exactly ``max_new_tokens`` long; never padding, never the prompt.
     The same call with the same ``seed`` gives the same responses; different seeds differ.
     Implementations: :class:`HFGenerationEngine` (transformers), or e.g. a vLLM engine on GPUs.
+
+    ``synced``: True when the ranks' calls are collectives (e.g. ZeRO-3 partitioned weights):
+    every rank must then make the same calls in the same order, with the same ``n_samples``
+    (a rank with fewer prompts makes dummy calls).
     """
+
+    synced: bool
 
     def generate(
         self,
@@ -60,6 +66,7 @@ _NEUTRAL = {
     "num_beams": 1,
     "renormalize_logits": False,
 }
+_GREEDY = {"temperature": None, "top_p": None, "top_k": None}
 
 
 def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
@@ -129,15 +136,14 @@ class HFGenerationEngine:
     wants a prompt to get the same responses wherever it is generated (e.g. on any
     data-parallel rank) calls once per prompt with a per-prompt seed.
 
-    ZeRO-3 (``gather_zero3=True``): parameters are gathered with
-    ``deepspeed.zero.GatheredParameters`` around each ``generate`` call, or once around several
-    calls inside ``with engine.gathered():`` (calls inside it do not gather again). Gathering is
-    a collective: every data-parallel rank must enter it the same number of times, so a rank
-    that may have nothing to generate should hold ``gathered()`` rather than rely on
-    ``generate``.
+    ZeRO-3 (``zero3=True`` with more than one process): DeepSpeed gathers each layer's weights
+    in every forward, a collective, so ranks must run forwards in lockstep. Each decoding step is
+    synced over the world (transformers' ``synced_gpus``: a rank whose sequences ended keeps
+    stepping until every rank's have), and ``synced`` is True: every rank must make the same
+    ``generate`` calls (a rank with fewer prompts pads with dummy calls).
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64, gather_zero3: bool = False):
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, zero3: bool = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"HFGenerationEngine: batch_size: expected an int >= 1, got {batch_size!r}"
@@ -145,24 +151,8 @@ class HFGenerationEngine:
         if tokenizer.eos_token_id is None:
             raise ValueError("HFGenerationEngine: tokenizer: expected an eos_token_id, got None")
         self.model, self.tokenizer = model, tokenizer
-        self.batch_size, self.gather_zero3 = batch_size, gather_zero3
-        self._gathering = False
-
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Gather ZeRO-3 partitions for the block (with ``gather_zero3``; reentrant), else
-        nothing. A collective over the data-parallel group."""
-        if not self.gather_zero3 or self._gathering:
-            yield
-            return
-        import deepspeed
-
-        self._gathering = True
-        try:
-            with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
-                yield
-        finally:
-            self._gathering = False
+        self.batch_size = batch_size
+        self.synced = zero3 and dist.is_initialized() and dist.get_world_size() > 1
 
     def generate(
         self,
@@ -185,37 +175,41 @@ class HFGenerationEngine:
         flat = [list(p) for p in prompts for _ in range(n_samples)]
         flags = dict(_NEUTRAL)  # a model's generation_config must not change the distribution
         if greedy:  # every sampling flag unset: transformers has nothing to warn about
-            flags.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            flags.update(do_sample=False, **_GREEDY)
         else:
             flags.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
         if pad != eos:  # a sampled pad could not be told from padding: never sample it
             flags["suppress_tokens"] = [pad]
         out: list[list[int]] = []
-        was_training = self.model.training
         rng_devices = [] if device.type == "cpu" else [device]
+        with torch.random.fork_rng(devices=rng_devices, device_type=device.type):
+            torch.manual_seed(seed)
+            for i in range(0, len(flat), self.batch_size):
+                ids, mask = _left_pad(flat[i : i + self.batch_size], pad)
+                seqs = self._run(ids, mask, max_new_tokens, flags)
+                out += split_responses(seqs.cpu(), ids.shape[1], eos, pad)
+        return out
+
+    @torch.no_grad()
+    def _run(self, ids, mask, max_new_tokens: int, flags: dict) -> torch.Tensor:
+        """One ``model.generate`` batch in eval mode (the mode is restored after)."""
+        tok, device = self.tokenizer, next(self.model.parameters()).device
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        was_training = self.model.training
         self.model.eval()
         try:
-            with (
-                self.gathered(),
-                torch.random.fork_rng(devices=rng_devices, device_type=device.type),
-                torch.no_grad(),
-            ):
-                torch.manual_seed(seed)
-                for i in range(0, len(flat), self.batch_size):
-                    ids, mask = _left_pad(flat[i : i + self.batch_size], pad)
-                    seqs = self.model.generate(
-                        input_ids=ids.to(device),
-                        attention_mask=mask.to(device),
-                        max_new_tokens=max_new_tokens,
-                        use_cache=True,
-                        pad_token_id=pad,
-                        eos_token_id=eos,
-                        **flags,
-                    )
-                    out += split_responses(seqs.cpu(), ids.shape[1], eos, pad)
+            return self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max_new_tokens,
+                use_cache=True,
+                pad_token_id=pad,
+                eos_token_id=tok.eos_token_id,
+                synced_gpus=self.synced,
+                **flags,
+            )
         finally:
             self.model.train(was_training)
-        return out
 
 
 def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

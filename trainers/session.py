@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainers import common, data
-from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.checkpoint import check_layout, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainers.distributed import Layout, all_ranks_ok, init_distributed, peak_memory_mb
 
 DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl", "ppo": "prompts_toy.jsonl"}
@@ -93,20 +93,26 @@ class Session:
         return cls(cfg, kind, layout, model_path, tokenizer, logger)
 
     # ------------------------------------------------------------------------- data
+    def _rows(self, keys: dict, what: str):
+        """Training and evaluation rows. Evaluation: ``--eval-split`` of ``--eval-dataset``;
+        without one, ``--eval-split`` of ``--dataset`` when it differs from ``--split``; else a
+        seeded ``--eval-ratio`` holdout of the training rows (None with ratio 0)."""
+        cfg = self.cfg
+        path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
+        rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
+        data.check_keys(rows, keys, f"{what} dataset")
+        eval_rows = None
+        source = cfg.eval_dataset or (path if cfg.eval_split != cfg.split else None)
+        if source:
+            eval_rows = data.load_mixture(source, None, cfg.eval_split, cfg.seed, None)
+            data.check_keys(eval_rows, keys, "evaluation dataset")
+        return data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+
     def load_data(self, keys: dict, tokenize, lengths):
         """Rows -> tokenized train and eval samples; every problem is an ``error:`` exit."""
         cfg = self.cfg
         try:
-            path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
-            rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
-            data.check_keys(rows, keys, "training dataset")
-            eval_rows = None
-            if cfg.eval_dataset:
-                eval_rows = data.load_mixture(
-                    cfg.eval_dataset, None, cfg.eval_split, cfg.seed, None
-                )
-                data.check_keys(eval_rows, keys, "evaluation dataset")
-            rows, eval_rows = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+            rows, eval_rows = self._rows(keys, "training")
             train, dropped = tokenize(rows)
             evals, _ = tokenize(eval_rows) if eval_rows is not None else ([], 0)
             if not train:
@@ -134,16 +140,7 @@ class Session:
         prompts longer than ``--max-len`` tokens are an error naming the row."""
         cfg = self.cfg
         try:
-            path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
-            rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
-            data.check_keys(rows, {"--input-key": cfg.input_key}, "prompt dataset")
-            eval_rows = None
-            if cfg.eval_dataset:
-                eval_rows = data.load_mixture(
-                    cfg.eval_dataset, None, cfg.eval_split, cfg.seed, None
-                )
-                data.check_keys(eval_rows, {"--input-key": cfg.input_key}, "evaluation dataset")
-            rows, eval_rows = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+            rows, eval_rows = self._rows({"--input-key": cfg.input_key}, "prompt")
             rows = [dict(r) for r in rows]
             eval_rows = [dict(r) for r in eval_rows] if eval_rows is not None else []
             for i, row in enumerate(rows + eval_rows):
@@ -304,16 +301,27 @@ class Session:
         Returns (engine, steps already done)."""
         from trainers.engine import build_engine
 
+        ckpt = latest_checkpoint(self.cfg.output_dir) if self.cfg.resume else None
+        if ckpt is not None:
+            try:  # every rank reads the same file: all fail together, before any heavy work
+                check_layout(ckpt, self.checkpoint_layout())
+            except ValueError as e:
+                common.fail(str(e))
         engine = build_engine(module, self.cfg, self.layout, self.optimizer_steps)
         start = 0
         if self.cfg.resume:
-            ckpt = latest_checkpoint(self.cfg.output_dir)
             if ckpt is None:
                 self.print(f"--resume: no checkpoint in {self.cfg.output_dir}, starting fresh")
             else:
                 start = load_checkpoint(engine, ckpt)["step"]
                 self.print(f"resumed from {ckpt} (step {start})")
         return engine, start
+
+    def checkpoint_layout(self) -> dict:
+        """What a checkpoint's shards and per-rank RNG states depend on."""
+        lay = self.layout
+        sizes = {"processes": lay.world, "dp": lay.dp, "ring": lay.ring, "tp": lay.tp}
+        return {**sizes, "zero_stage": self.cfg.zero_stage}
 
     # ------------------------------------------------------------------------- the loop
     def progress(self, start: int):
@@ -345,7 +353,8 @@ class Session:
             engines = {"engine": engine}
             if self.critic is not None:
                 engines["critic"] = self.critic
-            save_checkpoint(engines, self.cfg.output_dir, step, {"total_steps": self.total})
+            state = {"total_steps": self.total, "layout": self.checkpoint_layout()}
+            save_checkpoint(engines, self.cfg.output_dir, step, state)
 
     def sample_line(self, step: int, text, reward: float) -> None:
         """Show one rollout under the progress bar now and then (rank 0)."""
