@@ -75,6 +75,40 @@ def test_action_logprobs_match_the_model(tiny):
     assert logp.shape == ent.shape == (sum(s.n_act for s in samples),)
 
 
+def test_an_engine_without_synced_attribute_still_generates(tiny):
+    """``synced`` is optional in the GenerationEngine protocol: a user's engine without it
+    generates as before (no collectives)."""
+    from trainers import ppo
+    from trainers.distributed import Layout
+
+    tok = tiny[0]
+
+    class Echo:  # every response is the EOS token
+        def generate(self, prompts, *, n_samples, max_new_tokens, **kw):
+            return [[tok.eos_token_id] for _ in prompts for _ in range(n_samples)]
+
+    cfg = ppo.PPOConfig(n_samples_per_prompt=2)
+    layout = Layout(1, 0, 1, 1, 1, torch.device("cpu"))
+    rows = [{cfg.input_key: "reverse: ab"}, {cfg.input_key: "reverse: cd"}]
+    samples, texts = ppo.generate(Echo(), tok, rows, cfg, layout, 0, [0, 1])
+    assert len(samples) == len(texts) == 4 and all(s.n_act == 1 for s in samples)
+
+
+def test_global_moments_of_values_far_from_zero():
+    """Whitening statistics stay exact for rewards with a large offset (the one-pass float32
+    formula was 10% off at offset 100, std 0.1)."""
+    from trainers import ppo
+    from trainers.distributed import Layout
+
+    x = 100 + 0.1 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    layout = Layout(1, 0, 1, 1, 1, torch.device("cpu"))
+    mean, var = ppo.global_moments(x, layout, repeats=1)
+    ref = x.double()
+    assert abs(mean - ref.mean().item()) < 1e-9 and abs(var / ref.var().item() - 1) < 1e-9
+    white = ppo.global_whiten(x, layout, repeats=1).double()
+    assert abs(white.mean().item()) < 1e-4 and abs(white.std().item() - 1) < 1e-4
+
+
 # ----------------------------------------------------------------------------- the program
 @pytest.mark.slow
 def test_default_run_raises_the_reward(tmp_path, monkeypatch):

@@ -134,6 +134,11 @@ def test_yaml_applied_and_overridden_by_flags(tmp_path):
     cfg = parse_config(Cfg, ["--batch-size", "32", "--config", path, "--shuffle"])
     assert (cfg.batch_size, cfg.shuffle, cfg.max_samples) == (32, True, 7)
     assert parse_config(Cfg, ["--config", _yaml(tmp_path, "")]) == Cfg()
+    # 'none' unsets a nullable number in YAML as on the command line
+    path = _yaml(tmp_path, "max_samples: none\ntemperature: None\n")
+    cfg = parse_config(Cfg, ["--max-samples", "3", "--config", path])
+    assert (cfg.max_samples, cfg.temperature) == (3, None)
+    assert parse_config(Cfg, ["--config", path]).max_samples is None
 
 
 def test_yaml_unknown_key(tmp_path, capsys):
@@ -282,6 +287,35 @@ def test_wandb_offline_writes_into_output_dir(tmp_path, monkeypatch):
     fresh = MetricsLogger(str(tmp_path / "other"), kind="wandb")  # a new run: a new id
     fresh.close()
     assert (tmp_path / "other" / "wandb" / "run_id").read_text() != run_id
+
+
+def test_wandb_resume_sends_only_steps_it_lacks(tmp_path, monkeypatch):
+    """A crash after step 5 and a resume from the step-3 checkpoint: the continued wandb run
+    gets steps 6+ only (wandb drops steps below its last one, with a warning per step), while
+    metrics.jsonl holds the re-run's steps 4 and 5."""
+    import types
+
+    sent = []
+
+    class Run:
+        def log(self, values, step):
+            sent.append(step)
+
+        def finish(self):
+            pass
+
+    fake = types.SimpleNamespace(init=lambda **kw: sent.append(kw.get("resume")) or Run())
+    monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+    lg = MetricsLogger(str(tmp_path), kind="wandb")
+    for step in range(1, 6):
+        lg.log({"loss": 1 / step}, step)
+    lg.close()
+    lg = MetricsLogger(str(tmp_path), kind="wandb", resume=True)
+    for step in range(4, 8):
+        lg.log({"loss": 2 / step}, step)
+    lg.close()
+    assert sent == [None, 1, 2, 3, 4, 5, "allow", 6, 7]
+    assert [r["loss"] for r in read_metrics(str(tmp_path))][3:] == [0.5, 0.4, 2 / 6, 2 / 7]
 
 
 def test_wandb_missing_and_bad_kind(tmp_path, monkeypatch):

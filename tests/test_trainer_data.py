@@ -233,6 +233,7 @@ def test_empty_or_malformed_files_are_one_clear_error(tmp_path):
         "blank.jsonl": ("\n\n", "the file holds no rows"),
         "header.csv": ("prompt\n", "the file holds no rows"),
         "cut.jsonl": ('{"prompt": "a"}\n{"prompt": \n', "cannot be read as json"),
+        "text.parquet": ("not parquet", "cannot be read as parquet"),
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
@@ -241,6 +242,9 @@ def test_empty_or_malformed_files_are_one_clear_error(tmp_path):
     datasets.Dataset.from_list(ROWS).select([]).to_parquet(str(tmp_path / "zero.parquet"))
     with pytest.raises(ValueError, match="zero.parquet': the file holds no rows"):
         load_mixture(str(tmp_path / "zero.parquet"), None, "train", 0, None)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="folder': expected a folder written by save_to_disk"):
+        load_mixture(str(tmp_path / "folder"), None, "train", 0, None)
 
 
 def test_load_errors(tmp_path):

@@ -226,6 +226,17 @@ def test_eval_split_of_the_training_dataset(tmp_path):
     proc = run_trainer("sft", args + ["--batch-size", "8", "--logger", "none"], tmp_path / "o")
     assert "40 training / 7 eval samples" in proc.stderr, proc.stderr[-2000:]
     assert "eval_loss" in metrics(tmp_path / "o")[-1]
+    # training on another split without --eval-split: a holdout of it, or none with ratio 0
+    args = ["--dataset", str(tmp_path / "dd"), "--split", "test", "--max-steps", "1"]
+    proc = run_trainer("sft", args + ["--batch-size", "4", "--logger", "none"], tmp_path / "h")
+    assert "6 training / 1 eval samples" in proc.stderr, proc.stderr[-2000:]
+    args += ["--eval-ratio", "0", "--batch-size", "4", "--logger", "none"]
+    proc = run_trainer("sft", args, tmp_path / "n")
+    assert "7 training / 0 eval samples" in proc.stderr, proc.stderr[-2000:]
+    assert "eval_loss" not in metrics(tmp_path / "n")[-1]
+    args = ["--dataset", str(tmp_path / "dd"), "--eval-split", "train", "--logger", "none"]
+    proc = run_trainer("sft", args, tmp_path / "e", check=False)
+    assert proc.returncode != 0 and "evaluating on training rows" in proc.stderr
 
 
 # ----------------------------------------------------------------------------- resume

@@ -73,8 +73,10 @@ def _help(f: dataclasses.Field, tp: type, nullable: bool) -> str:
 def _or_none(tp: type):
     """argparse type for an ``int | None`` / ``float | None`` flag: 'none' or 'null' -> None."""
 
-    def parse(text: str):
-        return None if text.strip().lower() in ("none", "null") else tp(text)
+    def parse(text: str | int | float):
+        if isinstance(text, str) and text.strip().lower() in ("none", "null"):
+            return None
+        return tp(text)
 
     parse.__name__ = tp.__name__  # argparse's message: "invalid int value: 'x'"
     return parse
@@ -148,7 +150,7 @@ def _convert(key: str, value: Any, tp: type, nullable: bool, choices: Any) -> An
         if not isinstance(value, (str, int, float)) or (tp is int and isinstance(value, float)):
             raise bad
         try:
-            value = tp(value)
+            value = (_or_none(tp) if nullable else tp)(value)  # 'none' as on the command line
         except ValueError:
             raise bad from None
     if choices is not None and value not in choices:

@@ -27,14 +27,15 @@ class TrainConfig:
     dataset_probs: str | None = _f(None, "comma-separated mixing probabilities, one per dataset")
     split: str = _f("train", "split of --dataset that trains (plain files have only 'train')")
     eval_dataset: str | None = _f(None, "separate evaluation data (same formats as --dataset)")
-    eval_split: str = _f(
-        "train",
-        "split that evaluates: of --eval-dataset, else of --dataset when it differs from --split",
+    eval_split: str | None = _f(
+        None,
+        "split that evaluates: of --eval-dataset ('train' when unset), else of --dataset "
+        "(must differ from --split)",
     )
     eval_ratio: float = _f(
         0.05,
-        "without --eval-dataset, hold out this seeded fraction of --dataset for evaluation "
-        "(never trained on); 0 disables evaluation",
+        "without --eval-dataset or --eval-split, hold out this seeded fraction of --dataset "
+        "for evaluation (never trained on); 0 disables evaluation",
     )
     max_samples: int | None = _f(None, "use at most this many training samples")
     input_key: str = _f("prompt", "column holding the prompt")

@@ -31,7 +31,13 @@ def make_default_path(name: str) -> str:
 def _load_one(item: str, split: str) -> datasets.Dataset:
     path = Path(item).expanduser()
     if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except FileNotFoundError:
+            raise ValueError(
+                f"dataset {item!r}: expected a folder written by save_to_disk, got a folder "
+                "without its dataset_info.json / dataset_dict.json"
+            ) from None
     elif path.is_file():
         builder = _BUILDERS.get(path.suffix.lower())
         if builder is None:
@@ -46,10 +52,10 @@ def _load_one(item: str, split: str) -> datasets.Dataset:
         except DatasetGenerationError as e:  # malformed JSON / CSV / parquet
             cause = e.__cause__ or e
             raise ValueError(f"dataset {item!r}: cannot be read as {builder}: {cause}") from None
-        except ValueError as e:  # datasets' "Instruction 'train' corresponds to no data!"
-            if "no data" not in str(e):
-                raise
-            raise ValueError(f"dataset {item!r}: the file holds no rows") from None
+        except ValueError as e:  # "Instruction 'train' corresponds to no data!", ArrowInvalid
+            if "no data" in str(e):
+                raise ValueError(f"dataset {item!r}: the file holds no rows") from None
+            raise ValueError(f"dataset {item!r}: cannot be read as {builder}: {e}") from None
     else:
         raise FileNotFoundError(f"dataset {item!r}: no such file or folder")
     splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]

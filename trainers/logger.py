@@ -76,7 +76,8 @@ class MetricsLogger:
         self.output_dir, self.kind, self.enabled, self.resume = output_dir, kind, enabled, resume
         self.path = os.path.join(output_dir, METRICS_FILE)
         self._file = self._tb = self._wandb = None
-        self._closed = self._started = False
+        self._closed = self._started = self._wandb_resumed = False
+        self._wandb_done = 0  # a resumed wandb run already holds the steps up to this one
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -101,9 +102,13 @@ class MetricsLogger:
 
     def _wandb_run(self) -> dict:
         """A fresh run gets a new id, kept in ``<output_dir>/wandb/run_id``; a resumed run
-        continues the run of that id (one wandb run per training run)."""
+        continues the run of that id (one wandb run per training run). wandb drops steps below
+        its last one, so the steps re-run after the checkpoint are not sent again: the crashed
+        run logged them (a deterministic resume reproduces them; ``metrics.jsonl`` holds the
+        re-run's values)."""
         path = os.path.join(self.output_dir, "wandb", "run_id")
         if self.resume and os.path.isfile(path):
+            self._wandb_resumed = True
             with open(path) as fh:
                 return {"id": fh.read().strip(), "resume": "allow"}
         run_id = secrets.token_hex(4)
@@ -119,7 +124,10 @@ class MetricsLogger:
         if self._file is None:
             kept = []
             if os.path.exists(self.path):
-                kept = [r for r in read_metrics(self.path) if r.get("step", step) < step]
+                old = read_metrics(self.path)
+                kept = [r for r in old if r.get("step", step) < step]
+                if self._wandb_resumed:  # wandb is written first: it holds at least these
+                    self._wandb_done = max((r.get("step", 0) for r in old), default=0)
             tmp = self.path + ".tmp"
             with open(tmp, "w") as fh:
                 fh.writelines(json.dumps(r) + "\n" for r in kept)
@@ -142,14 +150,14 @@ class MetricsLogger:
         values = {k: _number(k, v) for k, v in metrics.items()}
         if not self._started:
             self._open(step)
+        if self._wandb is not None and step > self._wandb_done:
+            self._wandb.log(values, step=step)
         finite = {k: v if math.isfinite(v) else None for k, v in values.items()}
         self._file.write(json.dumps({"step": step, **finite}, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, float(v), step)
-        if self._wandb is not None:
-            self._wandb.log(values, step=step)
 
     def close(self, plot_keys: list[tuple[str, ...]] | None = None, title: str = "") -> str | None:
         """Flush and close the sinks; with ``plot_keys`` (one subplot per tuple of keys) write

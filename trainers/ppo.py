@@ -265,7 +265,8 @@ def generate(gen, tokenizer, rows, cfg, layout, step: int, positions: list, gree
     samples, texts = [], []
     n_samples = 1 if greedy else cfg.n_samples_per_prompt
     # ZeRO-3: ranks step together; one with fewer prompts makes dummy calls after its own
-    missing = max_across(len(rows), layout) - len(rows) if gen.synced else 0
+    synced = getattr(gen, "synced", False)  # optional in the GenerationEngine protocol
+    missing = max_across(len(rows), layout) - len(rows) if synced else 0
     for pos, row in zip(positions, rows, strict=True):
         p = render_prompt(
             tokenizer, row[cfg.input_key], cfg.input_template, cfg.apply_chat_template
@@ -374,13 +375,13 @@ def make_experience(
 
 def global_moments(x: torch.Tensor, layout: Layout, repeats: int) -> tuple[float, float]:
     """Mean and unbiased variance of the values of every data-parallel rank (each value is held
-    by ``repeats`` ranks)."""
-    n, tot, sq = sum_across(
-        [v / repeats for v in (x.numel(), x.sum().item(), x.double().square().sum().item())],
-        layout,
-    )
+    by ``repeats`` ranks). Two passes in float64: the global mean, then the squared deviations
+    from it (one pass loses the variance of values far from zero)."""
+    x = x.double()
+    n, tot = sum_across([x.numel() / repeats, x.sum().item() / repeats], layout)
     mean = tot / max(n, 1)
-    return mean, max(sq - n * mean * mean, 0.0) / max(n - 1, 1)
+    (sq,) = sum_across([(x - mean).square().sum().item() / repeats], layout)
+    return mean, sq / max(n - 1, 1)
 
 
 def global_whiten(x: torch.Tensor, layout: Layout, repeats: int) -> torch.Tensor:

@@ -26,12 +26,10 @@ class GenerationEngine(Protocol):
     The same call with the same ``seed`` gives the same responses; different seeds differ.
     Implementations: :class:`HFGenerationEngine` (transformers), or e.g. a vLLM engine on GPUs.
 
-    ``synced``: True when the ranks' calls are collectives (e.g. ZeRO-3 partitioned weights):
-    every rank must then make the same calls in the same order, with the same ``n_samples``
-    (a rank with fewer prompts makes dummy calls).
+    Optional attribute ``synced`` (False when absent): True when the ranks' calls are
+    collectives (e.g. ZeRO-3 partitioned weights); every rank then makes the same calls in the
+    same order, with the same ``n_samples`` (a rank with fewer prompts makes dummy calls).
     """
-
-    synced: bool
 
     def generate(
         self,

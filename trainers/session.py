@@ -94,17 +94,22 @@ class Session:
 
     # ------------------------------------------------------------------------- data
     def _rows(self, keys: dict, what: str):
-        """Training and evaluation rows. Evaluation: ``--eval-split`` of ``--eval-dataset``;
-        without one, ``--eval-split`` of ``--dataset`` when it differs from ``--split``; else a
+        """Training and evaluation rows. Evaluation: ``--eval-split`` (default 'train') of
+        ``--eval-dataset``; without one, ``--eval-split`` of ``--dataset`` when given; else a
         seeded ``--eval-ratio`` holdout of the training rows (None with ratio 0)."""
         cfg = self.cfg
         path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
+        if cfg.eval_dataset is None and cfg.eval_split == cfg.split:
+            raise ValueError(
+                f"--eval-split {cfg.eval_split!r} is the training split --split: evaluating on "
+                "training rows; give another split, --eval-dataset, or --eval-ratio for a holdout"
+            )
         rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
         data.check_keys(rows, keys, f"{what} dataset")
         eval_rows = None
-        source = cfg.eval_dataset or (path if cfg.eval_split != cfg.split else None)
-        if source:
-            eval_rows = data.load_mixture(source, None, cfg.eval_split, cfg.seed, None)
+        if cfg.eval_dataset is not None or cfg.eval_split is not None:
+            source = cfg.eval_dataset or path
+            eval_rows = data.load_mixture(source, None, cfg.eval_split or "train", cfg.seed, None)
             data.check_keys(eval_rows, keys, "evaluation dataset")
         return data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
 
