@@ -191,9 +191,13 @@ def test_every_advantage_estimator_trains(estimator, tmp_path):
     extra = ["--kl-coef", "0.01"] + (
         ["--kl-in-loss", "--dual-clip", "3"] if estimator == "rloo" else []
     )
+    if estimator == "reinforce":
+        extra += ["--warmup-steps", "2"]
     run_trainer("ppo", FAST + ["--advantage-estimator", estimator, *extra], tmp_path)
     m = metrics(tmp_path)
     assert [x["step"] for x in m] == [1, 2]
+    if estimator == "reinforce":  # each step logs the lr its update used: 1/3, 2/3 of 1e-3
+        assert [x["lr"] for x in m] == pytest.approx([1e-3 / 3, 2e-3 / 3], rel=1e-9)
     for key in (
         "reward_mean",
         "reward_std",
@@ -278,8 +282,10 @@ def assert_same_step(a: dict, b: dict, keys, rel: float = 1e-4) -> None:
         # two optimizer steps per rollout step: each holds the same prompts on 1 and 2 ranks,
         # and the REINFORCE++-baseline std is the global batch's
         (["--batch-size", "4", "--advantage-estimator", "reinforce_baseline"], []),
+        # AutoTP shards the actor and the critic over both ranks (dp 1)
+        (["--kl-coef", "0.05", "--advantage-estimator", "gae"], ["--tp-size", "2"]),
     ],
-    ids=["zero2", "zero3", "zero2-ref-offload", "mini-batches-reinforce-baseline"],
+    ids=["zero2", "zero3", "zero2-ref-offload", "mini-batches-reinforce-baseline", "tp2-gae"],
 )
 def test_data_parallel_reproduces_the_first_step(common, extra, one_process_run, tmp_path):
     """Prompts are seeded individually, so 2 ranks generate the rollouts of 1 rank; the frozen
@@ -288,8 +294,48 @@ def test_data_parallel_reproduces_the_first_step(common, extra, one_process_run,
     run_trainer("ppo", FAST + common + extra, tmp_path / "two", nproc=2)
     a, b = metrics(one)[0], metrics(tmp_path / "two")[0]
     keys = ("reward_mean", "response_length", "policy_loss", "entropy", "kl", "grad_norm")
-    assert_same_step(a, b, keys + ("advantage_std",))
+    assert_same_step(a, b, keys + ("advantage_std",) + (("value_loss",) if "gae" in common else ()))
     assert all(math.isfinite(x["reward_mean"]) for x in metrics(tmp_path / "two"))
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_the_update_forwards(one_process_run, tmp_path):
+    """``--gradient-checkpointing`` with the actor and critic kept in eval mode (dropout off):
+    their layers are checkpointed in the update forwards only (not in generation, whose KV cache
+    it would drop, nor in no-grad experience), and the run is unchanged."""
+    args = FAST + ["--kl-coef", "0.05", "--advantage-estimator", "gae"]
+    script = tmp_path / "count_checkpoints.py"
+    script.write_text(
+        textwrap.dedent("""
+        import sys
+        import torch
+        import torch.utils.checkpoint as C
+
+        grad_enabled = []
+        original = C.checkpoint
+
+        def counting(*args, **kwargs):
+            grad_enabled.append(torch.is_grad_enabled())
+            return original(*args, **kwargs)
+
+        C.checkpoint = counting  # before transformers binds it
+        from trainers import ppo
+
+        ppo.main(sys.argv[1:])
+        print("CHECKPOINTED", len(grad_enabled), all(grad_enabled), file=sys.stderr)
+    """)
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "gc"
+    cmd = [sys.executable, str(script), *args, "--gradient-checkpointing", "--output-dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    n, all_grad = proc.stderr.split("CHECKPOINTED")[-1].split()[:2]
+    # 2 steps x (actor + critic) x >= 1 micro-batch x 2 layers
+    assert int(n) >= 8 and all_grad == "True", proc.stderr[-2000:]
+    keys = ("reward_mean", "response_length", "policy_loss", "value_loss", "kl", "grad_norm")
+    for a, b in zip(metrics(one_process_run(args)), metrics(out), strict=True):
+        assert_same_step(a, b, keys)
 
 
 @pytest.mark.slow
@@ -392,6 +438,9 @@ def test_ppo_bad_input_is_one_clear_error(tmp_path):
     )
     from trainers.tiny import ensure_tiny
 
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "a b c"}] * 4 + [{"prompt": " ".join("abcdefghijklmnopqrst")}] * 2
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cases = {
         "one sample per prompt": (
             ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "1"],
@@ -402,6 +451,13 @@ def test_ppo_bad_input_is_one_clear_error(tmp_path):
         "wrong count": (["--reward-fn", "my_rewards:short"], 1, "returned 1 rewards"),
         "not a reward model": (["--reward-model", ensure_tiny()], 1, "is not a reward model"),
         "long prompt": (["--max-len", "3"], 1, "more than --max-len 3"),
+        # the row of the file, not of what the --eval-ratio holdout leaves
+        "long prompt row": (
+            ["--dataset", str(prompts), "--max-len", "12", "--eval-ratio", "0.5"],
+            1,
+            "prompt row 4 (0-based) of the --dataset",
+        ),
+        "no packing": (["--no-packing"], 1, "always packed"),
         "ring batch": (
             ["--ring-attn-size", "2", "--batch-size", "4"],
             1,
@@ -487,6 +543,11 @@ def test_resume_repeats_the_run(tmp_path):
     for a, b in zip(full[2:], resumed[2:]):
         for key in ("reward_mean", "response_length", "policy_loss", "value_loss", "kl", "lr"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]) + 1e-7, (key, a, b)
+    # the checkpoint holds a critic: resuming without one is refused before any training
+    args[args.index("--advantage-estimator") + 1] = "reinforce"
+    proc = run_trainer("ppo", args + ["--resume"], tmp_path, check=False)
+    assert proc.returncode != 0 and "(the checkpoint holds a critic)" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_reference_memory_flags_are_checked():

@@ -94,16 +94,27 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
 
 def check_layout(path: Path, layout: dict) -> None:
     """ValueError unless the checkpoint in ``path`` was saved by the same process layout
-    (``layout``: sizes and ZeRO stage, as the trainer saved them in its state)."""
+    (``layout``: sizes, ZeRO stage and, for PPO, whether a critic is trained, as the trainer
+    saved them in its state; keys a checkpoint lacks are not compared)."""
     saved = json.loads((path / "trainer_state.json").read_text()).get("layout")
-    if saved is not None and saved != layout:
+    if saved is None:
+        return
+    differ = [k for k in layout if k in saved and saved[k] != layout[k]]
+    if differ:
 
         def show(x: dict) -> str:
-            return ", ".join(f"{k} {v}" for k, v in x.items())
+            return ", ".join(f"{k} {x[k]}" for k in layout if k in saved)
 
+        fix = "the same torchrun process count and parallelism flags"
+        if "critic" in differ:  # PPO: the checkpoint holds a critic engine or none
+            fix = (
+                "--advantage-estimator gae (the checkpoint holds a critic)"
+                if saved["critic"]
+                else "an --advantage-estimator other than gae (the checkpoint holds no critic)"
+            )
         raise ValueError(
             f"--resume: {path} was saved by a run with {show(saved)}; this run has "
-            f"{show(layout)}: resume with the same torchrun process count and parallelism flags"
+            f"{show(layout)}: resume with {fix}"
         )
 
 

@@ -9,6 +9,7 @@ scales each micro-batch loss so that the result is the gradient of the global to
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -56,10 +57,17 @@ def lr_lambda(cfg, total_steps: int):
 
 
 def build_engine(
-    module: torch.nn.Module, cfg, layout: Layout, total_steps: int, lr: float | None = None
+    module: torch.nn.Module,
+    cfg,
+    layout: Layout,
+    total_steps: int,
+    lr: float | None = None,
+    check_tp_inputs: bool = True,
 ):
     """``deepspeed.initialize`` with AdamW (``lr``, default ``cfg.lr``) and the warm-up/cosine
-    schedule."""
+    schedule. With AutoTP, DeepSpeed compares the first forward's arguments across the tensor-
+    parallel group; ``check_tp_inputs=False`` skips that for modules whose arguments are not
+    plain tensors (PPO passes its samples and the per-rank ``Layout``)."""
     import deepspeed
 
     lr = cfg.lr if lr is None else lr
@@ -82,7 +90,33 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=opt, lr_scheduler=sched, config=ds_config(cfg, layout)
     )
+    if not check_tp_inputs and getattr(engine, "first_dataloader_check", None) is not None:
+        engine.first_dataloader_check.remove()  # AutoTP's pickle-and-compare of the 1st forward
+        engine.first_dataloader_check = None
     return engine
+
+
+@contextlib.contextmanager
+def checkpointing(module: torch.nn.Module):
+    """Gradient checkpointing for a model kept in eval mode (dropout off, as PPO's actor and
+    critic are). transformers checkpoints a layer only while it is in training mode, so inside
+    this block the checkpointed layers alone are flagged as training (their submodules, dropout
+    and attention, stay in eval mode); outside it, generation keeps its KV cache."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [
+        m
+        for m in module.modules()
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]
+    modes = [m.training for m in layers]
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m, mode in zip(layers, modes):
+            m.training = mode
 
 
 def build_frozen(module: torch.nn.Module, cfg, layout: Layout) -> torch.nn.Module:

@@ -27,7 +27,7 @@ from rlhf_kernels.packing import plan_micro_batches
 from trainers import common, ppo_ring, rewards
 from trainers.config import TrainConfig
 from trainers.distributed import Layout, max_across, sum_across
-from trainers.engine import accumulate, build_frozen, optimizer_step
+from trainers.engine import accumulate, build_frozen, checkpointing, optimizer_step
 
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
 
@@ -123,8 +123,15 @@ class PPOConfig(TrainConfig):
     max_len: int = _f(128, "longest prompt in tokens")
     output_dir: str = _f("runs/ppo", "metrics.jsonl, TensorBoard, plot, checkpoints, model")
 
+    no_packing: bool = _f(False, "not supported by PPO: its experience is always packed")
+
     def validate(self) -> None:
         super().validate()
+        if self.no_packing:
+            raise ValueError(
+                "--no-packing is an SFT / reward-model comparison: PPO's rollouts, experience "
+                "and updates are always packed (leave the flag out)"
+            )
         if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
             raise ValueError(
                 f"--advantage-estimator {self.advantage_estimator} compares the responses of one "
@@ -497,7 +504,8 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
     for i, (mb, counts) in enumerate(mbs):
         weight = _n(mb) / n_global if counts else 0.0
         loss_weight = _n(mb) / norm if counts else 0.0
-        logp, ent = engine(mb, layout)
+        with checkpointing(engine.module):  # --gradient-checkpointing in eval mode
+            logp, ent = engine(mb, layout)
         dev = logp.device
         old, adv = _cat(mb, "old_logp").to(dev), _cat(mb, "advantages").to(dev)
         loss, stats = policy_loss(
@@ -534,7 +542,8 @@ def train_critic(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> 
     total, mbs = 0.0, update_batches(batch, cfg, layout, pad_id)
     for i, (mb, counts) in enumerate(mbs):
         weight = _n(mb) / n_global if counts else 0.0
-        v = engine(mb, layout)
+        with checkpointing(engine.module):
+            v = engine(mb, layout)
         old, ret = _cat(mb, "values").to(v.device), _cat(mb, "returns").to(v.device)
         loss = value_loss(v, old, ret, clip=cfg.value_clip or None, cu_seqlens=_cu(mb, v.device))
         accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
@@ -642,7 +651,7 @@ def train(cfg: PPOConfig) -> dict:
     rows, eval_rows = s.load_prompts()
     reward = s.load_reward()
     lm = s.load_causal_lm()
-    engine, start = s.build(Actor(lm, cfg.temperature), len(rows) * cfg.n_samples_per_prompt)
+    engine, start = s.build(Actor(lm, cfg.temperature), check_tp_inputs=False)
     # the actor stays in eval mode (dropout off): the ratio to the rollout's log-probs starts at 1
     engine.eval()
     ref = build_frozen(Actor(s.load_causal_lm(), cfg.temperature), cfg, s.layout)
@@ -683,6 +692,7 @@ def train(cfg: PPOConfig) -> dict:
             t = torch.tensor(rollout_mem, device=s.layout.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rollout_mem = t.tolist()
+        lr = engine.get_lr()[0]  # the lr of this step's first update (after them: the next's)
         updates = []  # one dict per optimizer step; the step logs their means
         for _ in range(cfg.ppo_epochs):
             for batch in batches:
@@ -709,7 +719,7 @@ def train(cfg: PPOConfig) -> dict:
             "response_length": length / n,
             **exp,
             **upd,
-            "lr": engine.get_lr()[0],
+            "lr": lr,
             "tokens": tokens,
             "tokens_per_s": tokens * cfg.ppo_epochs / max(t2 - t1, 1e-9),
             "rollout_s": t1 - t0,

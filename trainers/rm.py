@@ -169,7 +169,7 @@ def train(cfg: RMConfig) -> dict:
         lengths=lambda p: len(p.chosen) + len(p.rejected),
     )
     model = s.load_score_model()  # *ForSequenceClassification, seeded fresh score head
-    engine, start = s.build(RewardModel(model), len(train_set))
+    engine, start = s.build(RewardModel(model))
     engine.train()  # from_pretrained returns eval mode: the config's dropout applies in training
     pad = s.tokenizer.pad_token_id
     metrics, last_eval = {}, {}

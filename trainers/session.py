@@ -93,10 +93,11 @@ class Session:
         return cls(cfg, kind, layout, model_path, tokenizer, logger)
 
     # ------------------------------------------------------------------------- data
-    def _rows(self, keys: dict, what: str):
+    def _rows(self, keys: dict, what: str, check=None):
         """Training and evaluation rows. Evaluation: ``--eval-split`` (default 'train') of
         ``--eval-dataset``; without one, ``--eval-split`` of ``--dataset`` when given; else a
-        seeded ``--eval-ratio`` holdout of the training rows (None with ratio 0)."""
+        seeded ``--eval-ratio`` holdout of the training rows (None with ratio 0).
+        ``check(rows, name)`` sees each loaded dataset before the holdout is taken."""
         cfg = self.cfg
         path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
         if cfg.eval_dataset is None and cfg.eval_split == cfg.split:
@@ -106,11 +107,15 @@ class Session:
             )
         rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
         data.check_keys(rows, keys, f"{what} dataset")
+        if check is not None:
+            check(rows, f"--dataset (--split {cfg.split!r})")
         eval_rows = None
         if cfg.eval_dataset is not None or cfg.eval_split is not None:
             source = cfg.eval_dataset or path
             eval_rows = data.load_mixture(source, None, cfg.eval_split or "train", cfg.seed, None)
             data.check_keys(eval_rows, keys, "evaluation dataset")
+            if check is not None:
+                check(eval_rows, f"evaluation data (--eval-split {cfg.eval_split or 'train'!r})")
         return data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
 
     def load_data(self, keys: dict, tokenize, lengths):
@@ -144,29 +149,27 @@ class Session:
         """PPO: prompt rows for training and held-out evaluation (no tokenization up front);
         prompts longer than ``--max-len`` tokens are an error naming the row."""
         cfg = self.cfg
+
+        def check(ds, what: str) -> None:  # before any holdout: row i is the dataset's row i
+            for i, text in enumerate(ds[cfg.input_key]):
+                ids = data.render_prompt(
+                    self.tokenizer, text, cfg.input_template, cfg.apply_chat_template
+                )
+                where = f"prompt row {i} (0-based) of the {what}, {text[:40]!r},"
+                if len(ids) > cfg.max_len:
+                    raise ValueError(
+                        f"{where} has {len(ids)} tokens, more than --max-len {cfg.max_len}"
+                    )
+                if len(ids) + cfg.max_new_tokens > cfg.micro_batch_tokens:
+                    raise ValueError(
+                        f"{where} {len(ids)} tokens, + --max-new-tokens {cfg.max_new_tokens} "
+                        f"exceeds --micro-batch-tokens {cfg.micro_batch_tokens}"
+                    )
+
         try:
-            rows, eval_rows = self._rows({"--input-key": cfg.input_key}, "prompt")
+            rows, eval_rows = self._rows({"--input-key": cfg.input_key}, "prompt", check)
             rows = [dict(r) for r in rows]
             eval_rows = [dict(r) for r in eval_rows] if eval_rows is not None else []
-            for i, row in enumerate(rows + eval_rows):
-                n = len(
-                    data.render_prompt(
-                        self.tokenizer,
-                        row[cfg.input_key],
-                        cfg.input_template,
-                        cfg.apply_chat_template,
-                    )
-                )
-                if n > cfg.max_len:
-                    raise ValueError(
-                        f"prompt #{i} has {n} tokens, more than --max-len {cfg.max_len}"
-                    )
-                if n + cfg.max_new_tokens > cfg.micro_batch_tokens:
-                    raise ValueError(
-                        f"prompt #{i} ({n} tokens) + --max-new-tokens "
-                        f"{cfg.max_new_tokens} exceed --micro-batch-tokens "
-                        f"{cfg.micro_batch_tokens}"
-                    )
             if cfg.rollout_batch_size % self.layout.dp:
                 raise ValueError(
                     f"--rollout-batch-size {cfg.rollout_batch_size} must be a "
@@ -295,15 +298,20 @@ class Session:
         from trainers.engine import build_engine
 
         self.critic = build_engine(
-            module, self.cfg, self.layout, self.optimizer_steps, lr=self.cfg.critic_lr
+            module,
+            self.cfg,
+            self.layout,
+            self.optimizer_steps,
+            lr=self.cfg.critic_lr,
+            check_tp_inputs=False,
         )
         if self.cfg.resume and (ckpt := latest_checkpoint(self.cfg.output_dir)) is not None:
             load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
         return self.critic
 
-    def build(self, module: torch.nn.Module, n_train: int):
-        """DeepSpeed engine; with ``--resume`` restored from the newest checkpoint.
-        Returns (engine, steps already done)."""
+    def build(self, module: torch.nn.Module, check_tp_inputs: bool = True):
+        """DeepSpeed engine (:func:`trainers.engine.build_engine`); with ``--resume`` restored
+        from the newest checkpoint. Returns (engine, steps already done)."""
         from trainers.engine import build_engine
 
         ckpt = latest_checkpoint(self.cfg.output_dir) if self.cfg.resume else None
@@ -312,7 +320,9 @@ class Session:
                 check_layout(ckpt, self.checkpoint_layout())
             except ValueError as e:
                 common.fail(str(e))
-        engine = build_engine(module, self.cfg, self.layout, self.optimizer_steps)
+        engine = build_engine(
+            module, self.cfg, self.layout, self.optimizer_steps, check_tp_inputs=check_tp_inputs
+        )
         start = 0
         if self.cfg.resume:
             if ckpt is None:
@@ -326,7 +336,10 @@ class Session:
         """What a checkpoint's shards and per-rank RNG states depend on."""
         lay = self.layout
         sizes = {"processes": lay.world, "dp": lay.dp, "ring": lay.ring, "tp": lay.tp}
-        return {**sizes, "zero_stage": self.cfg.zero_stage}
+        out = {**sizes, "zero_stage": self.cfg.zero_stage}
+        if self.kind == "ppo":  # the critic's engine is saved and restored beside the actor's
+            out["critic"] = self.cfg.advantage_estimator == "gae"
+        return out
 
     # ------------------------------------------------------------------------- the loop
     def progress(self, start: int):

@@ -124,7 +124,7 @@ def train(cfg: SFTConfig) -> dict:
     from trainers.modeling import CausalLMLoss
 
     lm = s.load_causal_lm()
-    engine, start = s.build(CausalLMLoss(lm), len(train_set))
+    engine, start = s.build(CausalLMLoss(lm))
     engine.train()  # from_pretrained returns eval mode: the config's dropout applies in training
     pad = s.tokenizer.pad_token_id
     metrics = {}
