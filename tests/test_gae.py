@@ -120,6 +120,20 @@ def test_bf16_within_twice_torch_loop():
         assert err <= 2 * (torch_bf16.double() - ref).abs().max()
 
 
+def test_mixed_dtypes_compute_in_the_wider_one():
+    r, v, mask = _padded(B=3, T=29)
+    r = r.float().double()  # float32-representable rewards
+    ref_a, ref_r = gae(r, v, gamma=0.99, lam=0.95, mask=mask)
+    for backend in ("auto", "torch"):
+        a, ret = gae(r.float(), v, gamma=0.99, lam=0.95, mask=mask, backend=backend)
+        assert a.dtype == ret.dtype == torch.float32
+        # float64 values are not rounded to float32 before the recurrence: only the outputs are
+        assert torch.equal(a, ref_a.float()) and torch.equal(ret, ref_r.float())
+        a16, _ = gae(r.float(), v.half(), gamma=0.99, lam=0.95, mask=mask, backend=backend)
+        want, _ = gae(r, v.half().double(), gamma=0.99, lam=0.95, mask=mask)
+        torch.testing.assert_close(a16, want.float())
+
+
 def test_bad_input():
     r = torch.randn(10)
     with pytest.raises(ValueError, match="neither"):

@@ -284,8 +284,17 @@ def assert_same_step(a: dict, b: dict, keys, rel: float = 1e-4) -> None:
         (["--batch-size", "4", "--advantage-estimator", "reinforce_baseline"], []),
         # AutoTP shards the actor and the critic over both ranks (dp 1)
         (["--kl-coef", "0.05", "--advantage-estimator", "gae"], ["--tp-size", "2"]),
+        # bf16 at ZeRO 0: the trainer computes the norm over both TP shards and clips itself
+        (["--dtype", "bf16"], ["--tp-size", "2"]),
     ],
-    ids=["zero2", "zero3", "zero2-ref-offload", "mini-batches-reinforce-baseline", "tp2-gae"],
+    ids=[
+        "zero2",
+        "zero3",
+        "zero2-ref-offload",
+        "mini-batches-reinforce-baseline",
+        "tp2-gae",
+        "tp2-bf16",
+    ],
 )
 def test_data_parallel_reproduces_the_first_step(common, extra, one_process_run, tmp_path):
     """Prompts are seeded individually, so 2 ranks generate the rollouts of 1 rank; the frozen
@@ -294,7 +303,12 @@ def test_data_parallel_reproduces_the_first_step(common, extra, one_process_run,
     run_trainer("ppo", FAST + common + extra, tmp_path / "two", nproc=2)
     a, b = metrics(one)[0], metrics(tmp_path / "two")[0]
     keys = ("reward_mean", "response_length", "policy_loss", "entropy", "kl", "grad_norm")
-    assert_same_step(a, b, keys + ("advantage_std",) + (("value_loss",) if "gae" in common else ()))
+    keys += ("advantage_std",) + (("value_loss",) if "gae" in common else ())
+    if "bf16" in common:  # TP splits the matmuls' sums (DeepSpeed's own norm was 10% low here)
+        assert_same_step(a, b, [k for k in keys if k != "kl"], rel=5e-3)
+        assert b["kl"] < 1e-4  # the sharded actor vs the whole reference: bf16 rounding only
+    else:
+        assert_same_step(a, b, keys)
     assert all(math.isfinite(x["reward_mean"]) for x in metrics(tmp_path / "two"))
 
 
@@ -406,7 +420,10 @@ def test_ring_rollouts_reproduce_the_single_process_run(extra, untrained, reques
             "trainers.rewards:reverse_reward",
         ]
     run_trainer("ppo", FAST + extra, tmp_path / "one")
-    run_trainer("ppo", FAST + extra + ["--ring-attn-size", "2"], tmp_path / "ring", nproc=2)
+    # broadcast-gae also checkpoints the actor's and critic's layers: their backward recomputes
+    # ring attention (under the shard's ring_context), and the numbers do not change
+    ring = ["--ring-attn-size", "2"] + (["--gradient-checkpointing"] if "gae" in extra else [])
+    run_trainer("ppo", FAST + extra + ring, tmp_path / "ring", nproc=2)
     one, ring = metrics(tmp_path / "one"), metrics(tmp_path / "ring")
     assert len(one) == len(ring) == 2
     for a, b in zip(one, ring):
@@ -552,6 +569,9 @@ def test_resume_repeats_the_run(tmp_path):
 
 def test_reference_memory_flags_are_checked():
     from trainers.ppo import PPOConfig
+
+    with pytest.raises(ValueError, match="--tp-size 2 cannot be combined with --zero-stage 3"):
+        PPOConfig(tp_size=2, zero_stage=3, ref_zero_stage=0).validate()
 
     cfg = PPOConfig(zero_stage=3)
     cfg.validate()

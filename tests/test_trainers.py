@@ -263,10 +263,26 @@ def test_resume_after_a_crash_during_a_save_repeats_the_run(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-6 * abs(a[key]), (key, a, b)
     assert not (ckpts / ".tmp-step-000006").exists()
     assert (ckpts / "step-000006" / "trainer_state.json").is_file()
-    # a checkpoint of another layout is refused up front, in one line
-    proc = run_trainer("sft", args + ["--resume", "--zero-stage", "1"], tmp_path, check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "error: --resume:" in proc.stderr and "zero_stage 0; this run has" in proc.stderr
+    # a checkpoint of another layout, dtype or offload is refused up front, in one line, and
+    # config.json still describes the checkpoint's run
+    config = (tmp_path / "config.json").read_text()
+    for flags, name in ((["--zero-stage", "1"], "--zero-stage"), (["--dtype", "bf16"], "--dtype")):
+        proc = run_trainer("sft", args + ["--resume", *flags], tmp_path, check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "error: --resume:" in proc.stderr and f"resume with the checkpoint's {name}" in (
+            proc.stderr
+        )
+        assert (tmp_path / "config.json").read_text() == config
+    # this run's --lr replaces the checkpoint's: the schedule of the resumed steps doubles
+    shutil.rmtree(ckpts / "step-000006")
+    lr_at = args.index("--lr") + 1
+    args[lr_at] = str(2 * float(args[lr_at]))
+    run_trainer("sft", args + ["--resume"], tmp_path)
+    doubled = metrics(tmp_path)
+    assert [m["lr"] for m in doubled[:3]] == [m["lr"] for m in full[:3]]
+    for a, b in zip(full[3:], doubled[3:], strict=True):
+        assert abs(b["lr"] - 2 * a["lr"]) <= 1e-9 * a["lr"], (a, b)
+    assert json.loads((tmp_path / "config.json").read_text())["lr"] == float(args[lr_at])
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):

@@ -92,10 +92,21 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
     return final
 
 
+_FLAG = {  # a layout key -> what the user sets
+    "processes": "torchrun process count",
+    "dp": "torchrun process count",
+    "ring": "--ring-attn-size",
+    "tp": "--tp-size",
+    "zero_stage": "--zero-stage",
+    "dtype": "--dtype",
+    "offload": "--offload",
+}
+
+
 def check_layout(path: Path, layout: dict) -> None:
     """ValueError unless the checkpoint in ``path`` was saved by the same process layout
-    (``layout``: sizes, ZeRO stage and, for PPO, whether a critic is trained, as the trainer
-    saved them in its state; keys a checkpoint lacks are not compared)."""
+    (``layout``: sizes, ZeRO stage, dtype, optimizer offload and, for PPO, whether a critic is
+    trained, as the trainer saved them in its state; keys a checkpoint lacks are not compared)."""
     saved = json.loads((path / "trainer_state.json").read_text()).get("layout")
     if saved is None:
         return
@@ -105,7 +116,8 @@ def check_layout(path: Path, layout: dict) -> None:
         def show(x: dict) -> str:
             return ", ".join(f"{k} {x[k]}" for k in layout if k in saved)
 
-        fix = "the same torchrun process count and parallelism flags"
+        names = [_FLAG.get(k, k) for k in differ]
+        fix = "the checkpoint's " + ", ".join(dict.fromkeys(names))  # (in order, once each)
         if "critic" in differ:  # PPO: the checkpoint holds a critic engine or none
             fix = (
                 "--advantage-estimator gae (the checkpoint holds a critic)"

@@ -127,6 +127,11 @@ class TrainConfig:
             raise ValueError(f"--eval-ratio must be in [0, 1), got {self.eval_ratio}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.tp_size > 1 and self.zero_stage == 3:
+            raise ValueError(
+                f"--tp-size {self.tp_size} cannot be combined with --zero-stage 3 (DeepSpeed "
+                "0.19.8 rejects the batch sizes of AutoTP under ZeRO-3); use --zero-stage 0, 1 or 2"
+            )
         if self.input_template is not None and "{}" not in self.input_template:
             raise ValueError(
                 f"--input-template must contain '{{}}' where the prompt goes, got "

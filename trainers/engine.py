@@ -20,6 +20,13 @@ import torch
 from trainers.distributed import Layout
 
 
+def clips_itself(cfg, layout: Layout) -> bool:
+    """Whether the trainer clips gradients itself instead of DeepSpeed: bf16 at ZeRO 0 with
+    AutoTP, where DeepSpeed 0.19.8's bf16 optimizer counts only TP rank 0's shards in the norm
+    (it tests the gradient tensors, not the parameters, for tensor-parallel marks)."""
+    return cfg.zero_stage == 0 and cfg.dtype == "bf16" and layout.tp > 1
+
+
 def ds_config(cfg, layout: Layout) -> dict:
     """The DeepSpeed JSON config of a run (ZeRO stage, offload, AutoTP, dtype, clipping)."""
     zero: dict = {"stage": cfg.zero_stage}
@@ -30,7 +37,7 @@ def ds_config(cfg, layout: Layout) -> dict:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": layout.world,  # DeepSpeed counts every rank, TP ranks included
-        "gradient_clipping": cfg.max_grad_norm,
+        "gradient_clipping": 0.0 if clips_itself(cfg, layout) else cfg.max_grad_norm,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": cfg.dtype == "bf16"},
@@ -93,6 +100,7 @@ def build_engine(
     if not check_tp_inputs and getattr(engine, "first_dataloader_check", None) is not None:
         engine.first_dataloader_check.remove()  # AutoTP's pickle-and-compare of the 1st forward
         engine.first_dataloader_check = None
+    engine.rk_max_grad_norm = cfg.max_grad_norm if clips_itself(cfg, layout) else None
     return engine
 
 
@@ -150,22 +158,35 @@ def accumulate(engine, loss: torch.Tensor, last: bool) -> None:
 def optimizer_step(engine, layout: Layout) -> float:
     """``engine.step()``; returns the global gradient norm before clipping.
 
-    ZeRO 1-3 and bf16 optimizers report it; for plain fp32 ZeRO-0 it is computed here (tensor-
-    parallel shards summed over the TP group, replicated weights counted once).
+    ZeRO 1-3 optimizers report it; at ZeRO 0 it is computed here from the (data-parallel
+    averaged) gradients: tensor-parallel shards summed over the TP group, replicated weights
+    counted once. Where :func:`clips_itself`, the gradients are clipped here by that norm.
     """
     norm = None
-    if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
+    if engine.zero_optimization_stage() == 0:
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
+        grads = [
+            p.grad
+            for p in engine.module.parameters()
+            if p.grad is not None and (layout.tp_rank == 0 or is_model_parallel_parameter(p))
+        ]
         sq = torch.zeros((), dtype=torch.float64, device=layout.device)
-        for p in engine.module.parameters():
-            if p.grad is not None and (layout.tp_rank == 0 or is_model_parallel_parameter(p)):
-                sq += p.grad.detach().double().pow(2).sum()
+        for g in grads:
+            sq += g.detach().double().pow(2).sum()
         if layout.tp > 1:
             from deepspeed.utils import groups
 
             torch.distributed.all_reduce(sq, group=groups.get_tensor_model_parallel_group())
-        norm = sq.sqrt().item()
+        # a bf16 optimizer's gradients carry its loss scale (1 unless fp16-style scaling is on)
+        scale = float(getattr(getattr(engine.optimizer, "loss_scale_config", None), "cur_scale", 1))
+        norm = sq.sqrt().item() / scale
+        max_norm = getattr(engine, "rk_max_grad_norm", None)
+        if max_norm and norm > max_norm:  # every parameter, replicated ones on every TP rank
+            coef = max_norm / (norm + 1e-6)
+            for p in engine.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
     engine.step()
     return norm if norm is not None else float(engine.get_global_grad_norm())
 

@@ -61,8 +61,8 @@ class PPOConfig(TrainConfig):
     reward_fn: str | None = _f(
         None,
         "reward function 'module:function' called with prompts=, responses= and the dataset's "
-        "other columns, returning one float per response (default for the default prompts: "
-        "trainers.rewards:reverse_reward)",
+        "other columns, returning one float per response (default: "
+        "trainers.rewards:reverse_reward for the default prompts, else none)",
     )
     critic_model: str | None = _f(None, "critic initialisation (default: --model); gae only")
     advantage_estimator: str = _f(
@@ -95,8 +95,8 @@ class PPOConfig(TrainConfig):
     ref_zero_stage: int | None = _f(
         None,
         "ZeRO stage of the frozen reference and reward models: 0 (a full copy per rank) or 3 "
-        "(partitioned over the ranks, gathered layer by layer in forward); default: 3 with "
-        "--zero-stage 3, else 0",
+        "(partitioned over the ranks, gathered layer by layer in forward) (default: 3 with "
+        "--zero-stage 3 or --ref-offload, else 0)",
         choices=(0, 3),
     )
     ref_offload: bool = _f(
@@ -504,30 +504,31 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
     for i, (mb, counts) in enumerate(mbs):
         weight = _n(mb) / n_global if counts else 0.0
         loss_weight = _n(mb) / norm if counts else 0.0
-        with checkpointing(engine.module):  # --gradient-checkpointing in eval mode
+        # --gradient-checkpointing in eval mode; a ring shard's backward recomputes ring attention
+        with checkpointing(engine.module), ppo_ring.update_scope(mb, layout):
             logp, ent = engine(mb, layout)
-        dev = logp.device
-        old, adv = _cat(mb, "old_logp").to(dev), _cat(mb, "advantages").to(dev)
-        loss, stats = policy_loss(
-            logp,
-            old,
-            adv,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip,
-            return_stats=True,
-            cu_seqlens=_cu(mb, dev),
-        )
-        if cfg.kl_in_loss and cfg.kl_coef:
-            ref = _cat(mb, "ref_logp").to(dev)
-            kl = kl_penalty(logp, ref, cfg.kl_estimator)
-            loss = loss + cfg.kl_coef * kl.sum() / max(kl.numel(), 1)
-        # a ring shard may hold no action token: its mean is 0 (weight 0), not NaN
-        ent_mean = ent.sum() / max(ent.numel(), 1)
-        if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ent_mean
-        # DeepSpeed averages over its dp x ring ranks: scale back to a sum of global shares
-        accumulate(engine, loss * loss_weight * layout.ds_dp_size, i == len(mbs) - 1)
+            dev = logp.device
+            old, adv = _cat(mb, "old_logp").to(dev), _cat(mb, "advantages").to(dev)
+            loss, stats = policy_loss(
+                logp,
+                old,
+                adv,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip,
+                return_stats=True,
+                cu_seqlens=_cu(mb, dev),
+            )
+            if cfg.kl_in_loss and cfg.kl_coef:
+                ref = _cat(mb, "ref_logp").to(dev)
+                kl = kl_penalty(logp, ref, cfg.kl_estimator)
+                loss = loss + cfg.kl_coef * kl.sum() / max(kl.numel(), 1)
+            # a ring shard may hold no action token: its mean is 0 (weight 0), not NaN
+            ent_mean = ent.sum() / max(ent.numel(), 1)
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * ent_mean
+            # DeepSpeed averages over its dp x ring ranks: scale back to a sum of global shares
+            accumulate(engine, loss * loss_weight * layout.ds_dp_size, i == len(mbs) - 1)
         totals["policy_loss"] += loss.item() * loss_weight
         totals["entropy"] += ent_mean.item() * weight
         totals["clip_fraction"] += stats["clip_frac"].item() * weight
@@ -542,11 +543,12 @@ def train_critic(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> 
     total, mbs = 0.0, update_batches(batch, cfg, layout, pad_id)
     for i, (mb, counts) in enumerate(mbs):
         weight = _n(mb) / n_global if counts else 0.0
-        with checkpointing(engine.module):
+        with checkpointing(engine.module), ppo_ring.update_scope(mb, layout):
             v = engine(mb, layout)
-        old, ret = _cat(mb, "values").to(v.device), _cat(mb, "returns").to(v.device)
-        loss = value_loss(v, old, ret, clip=cfg.value_clip or None, cu_seqlens=_cu(mb, v.device))
-        accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
+            old, ret = _cat(mb, "values").to(v.device), _cat(mb, "returns").to(v.device)
+            clip = cfg.value_clip or None
+            loss = value_loss(v, old, ret, clip=clip, cu_seqlens=_cu(mb, v.device))
+            accumulate(engine, loss * weight * layout.ds_dp_size, i == len(mbs) - 1)
         total += loss.item() * weight
     optimizer_step(engine, layout)
     return sum_across([total / layout.tp], layout)[0]

@@ -13,6 +13,7 @@ whole samples, and each rank keeps its own slots of the result.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,16 @@ class Shard:
     @property
     def n_local(self) -> int:
         return int(self.actions.sum())
+
+
+def update_scope(mb, layout: Layout):
+    """Where an update micro-batch's forward AND backward run: a ring shard's ``ring_context``
+    (gradient checkpointing recomputes ring attention in backward), else nothing."""
+    if not isinstance(mb, Shard):
+        return contextlib.nullcontext()
+    from rlhf_kernels.integrations.hf import ring_context
+
+    return ring_context(mb.plan, layout.ring_group)
 
 
 def hidden(model, shard: Shard, layout: Layout):

@@ -27,6 +27,27 @@ DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl", "ppo": "pr
 DEFAULT_REWARD_FN = "trainers.rewards:reverse_reward"  # scores the bundled prompts' task
 
 
+def checkpoint_layout(cfg, kind: str, layout: Layout) -> dict:
+    """What a checkpoint's shards, optimizer state and per-rank RNG states depend on."""
+    sizes = {"processes": layout.world, "dp": layout.dp, "ring": layout.ring, "tp": layout.tp}
+    out = {**sizes, "zero_stage": cfg.zero_stage, "dtype": cfg.dtype, "offload": cfg.offload}
+    if kind == "ppo":  # the critic's engine is saved and restored beside the actor's
+        out["critic"] = cfg.advantage_estimator == "gae"
+    return out
+
+
+def apply_optimizer_flags(engine, lr: float, weight_decay: float) -> None:
+    """After a resume: this run's ``--lr`` (or ``--critic-lr``) and ``--weight-decay`` replace
+    the checkpoint's, as the schedule flags do (the schedule's factor is a function of the
+    flags, its step count comes from the checkpoint)."""
+    sched = engine.lr_scheduler
+    sched.base_lrs = [lr] * len(sched.base_lrs)
+    for group, factor in zip(sched.optimizer.param_groups, sched.lr_lambdas):
+        group["lr"] = lr * factor(sched.last_epoch)
+        group["weight_decay"] = weight_decay
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+
+
 @dataclass
 class Session:
     cfg: Any
@@ -51,6 +72,9 @@ class Session:
             common.fail(str(e))
         try:
             common.check_output_dir(cfg.output_dir, layout, cfg)
+            # every rank reads the same file: all fail together, before config.json or a model
+            if cfg.resume and (ckpt := latest_checkpoint(cfg.output_dir)) is not None:
+                check_layout(ckpt, checkpoint_layout(cfg, kind, layout))
         except ValueError as e:
             common.fail(str(e))
         common.seed_everything(cfg.seed)
@@ -307,6 +331,7 @@ class Session:
         )
         if self.cfg.resume and (ckpt := latest_checkpoint(self.cfg.output_dir)) is not None:
             load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
+            apply_optimizer_flags(self.critic, self.cfg.critic_lr, self.cfg.weight_decay)
         return self.critic
 
     def build(self, module: torch.nn.Module, check_tp_inputs: bool = True):
@@ -314,12 +339,7 @@ class Session:
         from the newest checkpoint. Returns (engine, steps already done)."""
         from trainers.engine import build_engine
 
-        ckpt = latest_checkpoint(self.cfg.output_dir) if self.cfg.resume else None
-        if ckpt is not None:
-            try:  # every rank reads the same file: all fail together, before any heavy work
-                check_layout(ckpt, self.checkpoint_layout())
-            except ValueError as e:
-                common.fail(str(e))
+        ckpt = latest_checkpoint(self.cfg.output_dir) if self.cfg.resume else None  # (checked)
         engine = build_engine(
             module, self.cfg, self.layout, self.optimizer_steps, check_tp_inputs=check_tp_inputs
         )
@@ -329,17 +349,12 @@ class Session:
                 self.print(f"--resume: no checkpoint in {self.cfg.output_dir}, starting fresh")
             else:
                 start = load_checkpoint(engine, ckpt)["step"]
+                apply_optimizer_flags(engine, self.cfg.lr, self.cfg.weight_decay)
                 self.print(f"resumed from {ckpt} (step {start})")
         return engine, start
 
     def checkpoint_layout(self) -> dict:
-        """What a checkpoint's shards and per-rank RNG states depend on."""
-        lay = self.layout
-        sizes = {"processes": lay.world, "dp": lay.dp, "ring": lay.ring, "tp": lay.tp}
-        out = {**sizes, "zero_stage": self.cfg.zero_stage}
-        if self.kind == "ppo":  # the critic's engine is saved and restored beside the actor's
-            out["critic"] = self.cfg.advantage_estimator == "gae"
-        return out
+        return checkpoint_layout(self.cfg, self.kind, self.layout)
 
     # ------------------------------------------------------------------------- the loop
     def progress(self, start: int):

@@ -28,6 +28,7 @@ chunks at once instead of one program per row.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -387,7 +388,8 @@ def _prepare(name_tensors, cu, mask):
         is_last = torch.zeros(t0.shape, dtype=torch.bool, device=t0.device)
         is_last[:, -1] = True
     out_dtype = t0.dtype
-    work = out_dtype if out_dtype in _SCAN_DTYPES else torch.float32
+    work = functools.reduce(torch.promote_types, [t.dtype for _, t in name_tensors])
+    work = work if work in _SCAN_DTYPES else torch.float32  # (half types computed in float32)
     ts = [t.to(work).reshape(is_last.shape) for _, t in name_tensors]
     if mask is not None:
         m = mask.reshape(is_last.shape).to(work)
@@ -410,7 +412,8 @@ def gae(
     Args:
         rewards: per-token rewards, packed ``(N,)`` (with ``cu_seqlens``) or padded ``(B, T)``
             (with ``mask``); any float dtype.
-        values: critic values, same shape/dtype/device as ``rewards``.
+        values: critic values, ``rewards``' shape and device; any float dtype (computed in
+            the wider of the two dtypes, half types in float32; outputs in ``rewards``' dtype).
         gamma: discount factor. lam: GAE lambda.
         cu_seqlens: int32/int64 ``(S + 1,)`` boundaries of the packed sequences, ending at ``N``
             (a list of ints is converted).
