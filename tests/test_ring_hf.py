@@ -159,3 +159,50 @@ def test_llama_ring_matches_single_process(world):
             assert err["fused_grad_rel"] < 1e-4, (rank, cfg, err)
             assert "only inside `with ring_context" in (err["outside_ctx"] or ""), err
             assert err["ring_only"] < 1e-6, (rank, cfg, err)
+
+
+def _checkpointed_worker(rank, world):
+    """Gradient checkpointing with the backward on another thread, as autograd runs CUDA
+    backward on its device threads (which see none of the caller's ContextVars): the
+    recomputed layers must still run ring attention."""
+    import threading
+
+    from rlhf_kernels.integrations.hf import ring_context
+
+    batch = _batch()
+    model = _model()
+    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    model.lm_head(hidden.last_hidden_state).float().square().mean().backward()
+    ref_grads = _grads(model)
+    model.zero_grad()
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # transformers checkpoints layers in training mode (no dropout configured)
+    plan = RingPlan.build(batch["cu_seq_lens_q"], world, "zigzag")
+    ids = batch["input_ids"][0]
+    errors = []
+    with ring_context(plan):
+        out = model.model(
+            input_ids=plan.shard(ids, rank)[None], position_ids=plan.position_ids(rank)[None]
+        ).last_hidden_state
+        real = plan.valid_mask(rank)[None, :, None]  # the shard's padding adds no loss
+        loss = (model.lm_head(out).float().square() * real).sum() / (ids.numel() * VOCAB)
+
+        def backward():
+            try:
+                loss.backward()
+            except Exception as e:  # re-raised below, in the test's thread
+                errors.append(e)
+
+        thread = threading.Thread(target=backward)  # a fresh thread: no ContextVar of ours
+        thread.start()
+        thread.join()
+    if errors:
+        raise errors[0]
+    return _grad_err(model, ref_grads)
+
+
+@pytest.mark.multiproc
+def test_checkpointed_layers_recompute_ring_attention_on_other_threads():
+    for rank, err in enumerate(run_gloo(_checkpointed_worker, 2, timeout_s=240)):
+        assert err < 1e-4, (rank, err)

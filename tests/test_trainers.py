@@ -308,6 +308,29 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
     assert not (tmp_path / "checkpoints" / ".tmp-step-000006").exists()
 
 
+def test_resume_refusal_names_every_flag_to_restore(tmp_path):
+    from trainers.checkpoint import check_layout
+
+    saved = {"processes": 2, "dp": 1, "ring": 2, "tp": 1, "zero_stage": 0, "dtype": "fp32"}
+    saved |= {"offload": False, "critic": True}
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "layout": saved}))
+
+    def fix(**change) -> str:
+        with pytest.raises(ValueError, match="^--resume: ") as e:
+            check_layout(tmp_path, {**saved, **change})
+        return str(e.value).split(": resume with ")[1]
+
+    # dp follows from the sizes: the same 2 processes without the ring name only the ring
+    assert fix(ring=1, dp=2) == "the checkpoint's --ring-attn-size"
+    assert fix(zero_stage=2, critic=False) == (
+        "the checkpoint's --zero-stage and --advantage-estimator gae (the checkpoint holds a "
+        "critic)"
+    )
+    want = "the checkpoint's torchrun process count, --dtype"
+    assert fix(processes=4, dp=2, dtype="bf16") == want
+    check_layout(tmp_path, {**saved, "new_key": 1})  # keys a checkpoint lacks are not compared
+
+
 # ----------------------------------------------------------------------------- bad input
 def _bad(
     module: str,

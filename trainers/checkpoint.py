@@ -116,14 +116,16 @@ def check_layout(path: Path, layout: dict) -> None:
         def show(x: dict) -> str:
             return ", ".join(f"{k} {x[k]}" for k in layout if k in saved)
 
-        names = [_FLAG.get(k, k) for k in differ]
-        fix = "the checkpoint's " + ", ".join(dict.fromkeys(names))  # (in order, once each)
+        # dp follows from the process count, ring and TP sizes: named only by them
+        names = [_FLAG[k] for k in differ if k in _FLAG and (k != "dp" or differ == ["dp"])]
+        fixes = ["the checkpoint's " + ", ".join(dict.fromkeys(names))] if names else []
         if "critic" in differ:  # PPO: the checkpoint holds a critic engine or none
-            fix = (
+            fixes.append(
                 "--advantage-estimator gae (the checkpoint holds a critic)"
                 if saved["critic"]
                 else "an --advantage-estimator other than gae (the checkpoint holds no critic)"
             )
+        fix = " and ".join(fixes)
         raise ValueError(
             f"--resume: {path} was saved by a run with {show(saved)}; this run has "
             f"{show(layout)}: resume with {fix}"

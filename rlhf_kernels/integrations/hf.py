@@ -76,6 +76,26 @@ _RING: contextvars.ContextVar[_RingState | None] = contextvars.ContextVar(
 # how many ring contexts are open in this process: while 0, attention does not read the
 # ContextVar at all (torch.compile cannot trace ContextVar.get; it guards on this int instead)
 _RING_OPEN = [0]
+# every open ring context of the process (innermost last), for threads that see none: autograd
+# runs CUDA backward on its own device threads, which do not inherit the caller's ContextVars,
+# and that is where gradient checkpointing recomputes the layers
+_RING_STATES: list[_RingState] = []
+
+
+def _ring_state() -> _RingState | None:
+    """This thread's ring context; in a thread without one, the context open elsewhere in the
+    process (a RuntimeError if several threads hold different rings)."""
+    state = _RING.get()
+    if state is None and _RING_STATES:
+        state = _RING_STATES[-1]
+        for other in _RING_STATES:
+            if other.plan is not state.plan or other.group is not state.group:
+                raise RuntimeError(
+                    "ring attention ran in a thread without ring_context while other threads "
+                    "hold different ring contexts: cannot tell which ring it belongs to (run "
+                    "one ring per process, or the forward and backward in the context's thread)"
+                )
+    return state
 
 
 @contextlib.contextmanager
@@ -85,18 +105,24 @@ def ring_context(plan: Any, group: Any = None, **ring_kwargs: Any) -> Iterator[N
     Every attention layer calls ``ring_varlen_attention(q, k, v, plan, group=group, causal=True,
     softmax_scale=..., window_size=..., softcap=..., **ring_kwargs)`` with q/k/v shaped
     ``(local_tokens, heads, head_dim)``; inputs must be one ``[1, local_tokens]`` row (no mask).
+    Keep the context open through ``backward()`` when layers are gradient-checkpointed: their
+    recomputation runs ring attention too, also on autograd's CUDA device threads (which see
+    the context open in this process when they have none of their own).
 
     Args:
         plan: the ring plan (``rlhf_kernels.ring.plan.RingPlan``) describing this rank's tokens.
         group: the ring's process group (None: the default group).
         ring_kwargs: passed through to ``ring_varlen_attention``.
     """
-    token = _RING.set(_RingState(plan, group, dict(ring_kwargs)))
+    state = _RingState(plan, group, dict(ring_kwargs))
+    token = _RING.set(state)
+    _RING_STATES.append(state)
     _RING_OPEN[0] += 1
     try:
         yield
     finally:
         _RING_OPEN[0] -= 1
+        del _RING_STATES[next(i for i, s in enumerate(_RING_STATES) if s is state)]
         _RING.reset(token)
 
 
@@ -234,7 +260,7 @@ def rlhf_attention_forward(
     s_k = key.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, heads, D)
 
-    ring = _RING.get() if _RING_OPEN[0] else None
+    ring = _ring_state() if _RING_OPEN[0] else None
     if ring is not None:
         if bsz != 1 or attention_mask is not None or not causal:
             raise ValueError(
@@ -464,7 +490,7 @@ def register_ring(name: str = RING_ATTN_NAME, backend: str = "auto") -> str:
         raise ValueError(f"name must be a new attn_implementation string, got {name!r}")
 
     def ring_only(module, query, *args, **kwargs):
-        if not _RING_OPEN[0] or _RING.get() is None:
+        if not _RING_OPEN[0] or _ring_state() is None:
             raise RuntimeError(
                 f"attn_implementation={name!r} runs only inside `with ring_context(plan, "
                 f"group):` (this forward has no active ring, so each rank would attend within "
