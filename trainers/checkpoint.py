@@ -94,7 +94,6 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
 
 _FLAG = {  # a layout key -> what the user sets
     "processes": "torchrun process count",
-    "dp": "torchrun process count",
     "ring": "--ring-attn-size",
     "tp": "--tp-size",
     "zero_stage": "--zero-stage",
@@ -117,7 +116,7 @@ def check_layout(path: Path, layout: dict) -> None:
             return ", ".join(f"{k} {x[k]}" for k in layout if k in saved)
 
         # dp follows from the process count, ring and TP sizes: named only by them
-        names = [_FLAG[k] for k in differ if k in _FLAG and (k != "dp" or differ == ["dp"])]
+        names = [_FLAG[k] for k in differ if k in _FLAG]
         fixes = ["the checkpoint's " + ", ".join(dict.fromkeys(names))] if names else []
         if "critic" in differ:  # PPO: the checkpoint holds a critic engine or none
             fixes.append(

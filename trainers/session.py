@@ -353,9 +353,6 @@ class Session:
                 self.print(f"resumed from {ckpt} (step {start})")
         return engine, start
 
-    def checkpoint_layout(self) -> dict:
-        return checkpoint_layout(self.cfg, self.kind, self.layout)
-
     # ------------------------------------------------------------------------- the loop
     def progress(self, start: int):
         from tqdm import tqdm
@@ -386,7 +383,10 @@ class Session:
             engines = {"engine": engine}
             if self.critic is not None:
                 engines["critic"] = self.critic
-            state = {"total_steps": self.total, "layout": self.checkpoint_layout()}
+            state = {
+                "total_steps": self.total,
+                "layout": checkpoint_layout(self.cfg, self.kind, self.layout),
+            }
             save_checkpoint(engines, self.cfg.output_dir, step, state)
 
     def sample_line(self, step: int, text, reward: float) -> None:
