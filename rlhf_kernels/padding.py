@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_kernels._checks import as_cu_seqlens, check_mask
+from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask
 
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
@@ -66,14 +66,25 @@ def sequence_to_tokens(
     Args:
         values: ``(S, ...)``, one entry per sequence.
         cu_seqlens: ``(S + 1,)`` boundaries of the packed stream (tensor or list of ints).
-        total: number of tokens (``cu_seqlens[-1]``); given, no host sync is needed.
+        total: number of tokens, checked against ``cu_seqlens[-1]`` (None: that value).
     Returns: ``(total, ...)``: token ``t`` of sequence ``s`` holds ``values[s]``.
+
+    ``cu_seqlens`` is validated (``[0, ..., total]``, non-decreasing): one host read, skipped
+    for a CUDA tensor validated before (see :func:`~rlhf_kernels._checks.check_cu_seqlens`).
     """
+    if not isinstance(values, torch.Tensor) or values.dim() < 1:
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"values must be a tensor (S, ...) with one entry per sequence, got {got}")
     cu_seqlens = as_cu_seqlens(cu_seqlens, values.device)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a tensor or a list of ints, got {cu_seqlens!r}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() != values.shape[0] + 1:
         raise ValueError(
             f"cu_seqlens must be ({values.shape[0] + 1},) for {values.shape[0]} sequences, got "
             f"{tuple(cu_seqlens.shape)}"
         )
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(values.device)
+    if total is None and not cu_seqlens.is_floating_point():
+        total = int(cu_seqlens[-1])
+    cu = check_cu_seqlens(cu_seqlens, -1 if total is None else total)
+    lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], device=values.device)
     return values.repeat_interleave(lengths, dim=0, output_size=total)

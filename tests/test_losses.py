@@ -162,6 +162,21 @@ def test_kl_penalty(est):
         assert (out >= 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kl_k3_clamp_keeps_gradients_finite(dtype):
+    """exp(ref - logp) overflowed for a far-off token: forward clamped, gradient NaN (0 * inf)."""
+    logp = torch.tensor([-100.0, -1.0, -2.0, -0.5], dtype=dtype, requires_grad=True)
+    ref = torch.tensor([-0.5, -1.02, -1.0, -3.0], dtype=dtype)
+    kl = kl_penalty(logp, ref, "k3", clamp=10.0)
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all(), logp.grad
+    d = (logp.detach() - ref).double()
+    expect = (torch.exp(-d) - 1 + d).clamp(max=10.0)
+    torch.testing.assert_close(kl.double(), expect, rtol=1e-2, atol=1e-3)
+    grad = torch.where(expect < 10.0, 1 - torch.exp(-d), 0.0)  # clamped: no gradient
+    torch.testing.assert_close(logp.grad.double(), grad, rtol=1e-2, atol=1e-3)
+
+
 def test_bad_input():
     x = torch.randn(2, 5)
     m = torch.ones(2, 5)

@@ -37,6 +37,22 @@ def test_sequence_to_tokens():
     assert out.tolist() == [1.0, 1.0, 3.0, 3.0, 3.0]
     with pytest.raises(ValueError, match=r"cu_seqlens must be \(4,\) for 3 sequences"):
         sequence_to_tokens(torch.zeros(3), torch.tensor([0, 5]))
+    assert sequence_to_tokens(torch.tensor([1, 2]), [0, 1, 3]).tolist() == [1, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "cu,total,match",
+    [
+        ([3, 5, 9, 9], None, r"cu_seqlens\[0\] must be 0"),  # gave 6 tokens silently
+        ([0, 5, 2, 9], None, "non-decreasing"),
+        ([0, 2, 5, 9], 7, "packed length 7, got 9"),
+        (torch.tensor([0.0, 2.0, 5.0, 9.0]), None, "int32 or int64"),
+    ],
+)
+def test_sequence_to_tokens_checks_cu_seqlens(cu, total, match):
+    cu = torch.tensor(cu) if isinstance(cu, list) else cu
+    with pytest.raises((ValueError, TypeError), match=match):
+        sequence_to_tokens(torch.ones(3), cu, total=total)
 
 
 def test_bad_mask_shape():

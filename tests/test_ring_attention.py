@@ -141,7 +141,7 @@ def _bad_input_cases(rank, world):
     # (fresh plans: a plan that passed skips the group-wide check)
     last = rank == world - 1
     for name, kw in (
-        ("softcap_type", dict(softcap=None if last else 0.0)),
+        ("softcap_type", dict(softcap="2" if last else 0.0)),
         ("window_type", dict(window_size=("a", 0) if last else (-1, -1))),
         ("scale", dict(softmax_scale=0.5 if rank == 0 else None)),
     ):
@@ -222,7 +222,29 @@ def _helper_cases(rank, world):
     res["mean_after"] = float(ring_token_mean(torch.ones(3), torch.ones(3))) * world
     empty = RingPlan.build([0, 0, 0], world)  # nothing to gather: (0, 3), not an error
     res["gather_empty"] = tuple(gather_from_ring(empty.shard(full[:0], rank), empty).shape)
+    res["lse_grad"] = _lse_grad_error(rank, world)
     return res
+
+
+def _lse_grad_error(rank, world):
+    """Max error of dq/dk/dv with a loss on out and the lse (pads' -inf lse left out)."""
+    (q, k, v, do), _ = _reference("causal_gqa", seed=5)
+    dlse = torch.randn(sum(LENGTHS), q.shape[1], generator=torch.Generator().manual_seed(6))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = varlen_attention_reference(*leaves, _cu(LENGTHS), _cu(LENGTHS), causal=True)
+    torch.autograd.backward([out, lse], [do, dlse.double().T])
+    worst = 0.0
+    for layout, comm in (("zigzag", "p2p"), ("contiguous", "allgather")):
+        plan = RingPlan.build(_cu(LENGTHS), world, layout)
+        shards = [plan.shard(t, rank).float().requires_grad_() for t in (q, k, v)]
+        out, lse = ring_varlen_attention(*shards, plan, comm=comm, return_lse=True)
+        torch.autograd.backward(
+            [out, lse.masked_fill(torch.isneginf(lse), 0.0)],
+            [plan.shard(do, rank).float(), plan.shard(dlse, rank).T],
+        )
+        for a, r in zip(shards, leaves):
+            worst = max(worst, _max_err(a.grad, plan.shard(r.grad, rank)))
+    return worst
 
 
 def _validation_is_cached(rank, world):
@@ -307,6 +329,7 @@ def test_ring_attention_matches_single_device(world):
         wrong = "dst must be" if rank == 0 else "rank(s) [0]"
         assert helpers["gather_dst"] and wrong in helpers["gather_dst"], helpers["gather_dst"]
         assert helpers["mean"] < 1e-12 and helpers["grad"] < 1e-12
+        assert helpers["lse_grad"] <= TOL, helpers["lse_grad"]  # the lse is differentiable
         owns = (("mean_value", "values must be 0 or 1"), ("mean_shape", "does not broadcast"))
         for name, own in owns:
             wrong = own if rank == world - 1 else "other rank(s) of the group passed invalid"

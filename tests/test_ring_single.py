@@ -6,6 +6,7 @@ import torch
 from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
 from rlhf_kernels.ring.attention import ring_varlen_attention
 from rlhf_kernels.ring.blocks import tile_pairs
+from rlhf_kernels.ring.gather import gather_from_ring, ring_token_mean
 from rlhf_kernels.ring.plan import RingPlan
 
 LENGTHS = [1, 47, 2, 31, 67]
@@ -128,6 +129,55 @@ def test_bad_input_without_process_group():
         )
     with pytest.raises(ValueError, match="world_size=2"):
         ring_varlen_attention(x, x, x, RingPlan.build(_cu([plan.local_len]), 2))
+
+
+def test_scalar_options_checked_softcap_none_is_off():
+    plan = RingPlan.build(_cu(LENGTHS), 1)
+    x = torch.randn(plan.local_len, 2, 8)
+    for cap in (float("inf"), 1e300):  # inf overflowed the group check's fingerprint
+        with pytest.raises(ValueError, match="softcap must be a number in"):
+            ring_varlen_attention(x, x, x, plan, softcap=cap)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite"):
+        ring_varlen_attention(x, x, x, plan, softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ring_varlen_attention(x, x, x, plan, causal="yes")
+    off = ring_varlen_attention(x, x, x, plan)
+    assert torch.equal(ring_varlen_attention(x, x, x, plan, softcap=None), off)
+
+
+def test_helpers_need_no_process_group_for_a_ring_of_one():
+    plan = RingPlan.build(_cu(LENGTHS), 1, "zigzag")
+    full = torch.randn(sum(LENGTHS), 3)
+    local = plan.shard(full, 0)
+    assert torch.equal(gather_from_ring(local, plan), full)
+    assert torch.equal(gather_from_ring(local, plan, dst=0), full)
+    mask = torch.rand(plan.local_len) > 0.5
+    mean = ring_token_mean(local[:, 0], mask)
+    torch.testing.assert_close(mean, local[:, 0][mask].mean())
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_lse_is_differentiable(layout):
+    """Gradients through the returned lse match single-device attention's (pads: lse -inf)."""
+    q, k, v, do = _inputs(4, 2)
+    dlse = torch.randn(sum(LENGTHS), 4, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    cu = _cu(LENGTHS)
+    out, lse = varlen_attention_reference(*leaves, cu, cu, causal=True, window_size=(9, 0))
+    torch.autograd.backward([out, lse], [do, dlse.T])
+    ref = [t.grad for t in leaves]
+    plan = RingPlan.build(cu, 1, layout)
+    shards = [plan.shard(t, 0).float().requires_grad_() for t in (q, k, v)]
+    out, lse = ring_varlen_attention(*shards, plan, window_size=(9, 0), return_lse=True)
+    pad = torch.isneginf(lse)
+    assert pad.sum() == 4 * (plan.local_len - sum(LENGTHS))
+    torch.autograd.backward(
+        [out, lse.masked_fill(pad, 0.0)], [plan.shard(do, 0).float(), plan.shard(dlse, 0).T.float()]
+    )
+    for name, a, r in zip("qkv", shards, ref):
+        torch.testing.assert_close(
+            plan.unshard([a.grad]).double(), r, rtol=1e-5, atol=1e-5, msg=f"d{name}"
+        )
 
 
 def test_empty_stream():

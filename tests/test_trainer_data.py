@@ -167,7 +167,7 @@ def test_render_prompt_chat_return_types(out):
 
 
 def test_render_prompt_errors(tok):
-    with pytest.raises(ValueError, match=r"input_template: expected a string containing '\{\}'"):
+    with pytest.raises(ValueError, match=r"input_template 'Q: ' has no '\{\}'"):
         render_prompt(tok, "hi", "Q: ", False)
     no_template = _FakeChatTokenizer([1])
     no_template.chat_template = None
@@ -319,6 +319,21 @@ def test_split_train_eval():
             split_train_eval(ds, None, bad, 0)
     with pytest.raises(ValueError, match="at least 2"):
         split_train_eval(ds.select([0]), None, 0.5, 0)
+    with pytest.raises(ValueError, match="every training row equals a held-out row"):
+        split_train_eval(datasets.Dataset.from_list([{"i": 1}] * 5), None, 0.2, 0)
+
+
+def test_holdout_of_a_probs_mixture_is_never_trained_on(tmp_path):
+    """Mixing repeats the smaller dataset's rows: 11 of 22 held-out rows were also in training."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    mix = f"{_write(a, 'jsonl', [{'prompt': f'a{i}'} for i in range(200)])},"
+    mix += _write(b, "jsonl", [{"prompt": f"b{i}"} for i in range(20)])
+    rows = load_mixture(mix, "0.5,0.5", "train", 0, None)
+    assert len(rows) > len(set(rows["prompt"]))  # b's rows repeat
+    train, ev = split_train_eval(rows, None, 0.05, 0)
+    assert set(train["prompt"]).isdisjoint(ev["prompt"])
+    assert len(ev) == round(0.05 * len(rows)) and len(train) >= 200
 
 
 # ---------------------------------------------------------------- tokenisation
@@ -402,3 +417,59 @@ def test_bundled_files_match_generator(tmp_path):
     assert (tmp_path / "sft_toy.jsonl").read_bytes() == Path(
         make_default_path("sft_toy.jsonl")
     ).read_bytes()
+
+
+# ---------------------------------------------------------------- values, templates, rewards
+def test_check_values_names_flag_column_and_row():
+    ds = datasets.Dataset.from_list(
+        [{"p": "a", "r": "x", "m": 1.0}, {"p": "b", "r": None, "m": None}]
+    )
+    with pytest.raises(ValueError, match=r"--output-key 'r': row 1 \(0-based\) of the data"):
+        data.check_values(ds, {"--input-key": "p", "--output-key": "r"}, "data")
+    with pytest.raises(ValueError, match="--margin-key 'm': row 1.*expected a number"):
+        data.check_values(ds, {"--margin-key": "m"}, "data")
+    digits = datasets.Dataset.from_list([{"p": "q", "r": 42}])  # a CSV of digits: int64
+    data.check_values(digits, {"--input-key": "p", "--output-key": "r"}, "data")
+
+
+def test_chat_message_prompts(tok):
+    """A column of chat messages was rendered as its Python repr; now it is the conversation
+    (with --apply-chat-template) or a clear error."""
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abcd"}]
+    ds = datasets.Dataset.from_list([{"p": msgs, "r": "dcba"}])
+    keys = {"--input-key": "p", "--output-key": "r"}
+    data.check_values(ds, keys, "data", chat_flag="--input-key")
+    with pytest.raises(ValueError, match="--input-key 'p': row 0.*--apply-chat-template only"):
+        data.check_values(ds, keys, "data")
+    ids = render_prompt(tok, ds[0]["p"], None, True)
+    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(ids) == want and "[{" not in want
+    with pytest.raises(ValueError, match="needs --apply-chat-template"):
+        render_prompt(tok, msgs, None, False)
+
+
+@pytest.mark.parametrize(
+    "template,match",
+    [("Q: {{}} A:", "has no '{}'"), ('{"question": "{}"} answer:', "str.format fails")],
+)
+def test_input_template_checked(template, match):
+    data.check_template("Q: {} A:")
+    data.check_template('{{"question": "{}"}} answer:')  # literal braces doubled
+    with pytest.raises(ValueError, match=match):
+        data.check_template(template, "--input-template")
+
+
+def test_reward_positions_follow_transformers():
+    """The last token that is not pad: with pad == EOS the token before a final EOS, as
+    AutoModelForSequenceClassification reads a saved reward model."""
+    from trainers.common import reward_positions
+
+    seqs = [
+        torch.tensor([5, 6, 1]),
+        torch.tensor([5, 1, 1]),
+        torch.tensor([1, 1]),
+        torch.tensor([7]),
+    ]
+    assert reward_positions(seqs, pad_id=0) == [2, 2, 1, 0]
+    assert reward_positions(seqs, pad_id=1) == [1, 0, 1, 0]
+    assert reward_positions(seqs, pad_id=None) == [2, 2, 1, 0]

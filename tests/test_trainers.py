@@ -152,7 +152,8 @@ LAYOUTS = {
     "dp2-zero2": (2, ["--zero-stage", "2"]),
     "dp2-zero3-checkpointing": (2, ["--zero-stage", "3", "--gradient-checkpointing"]),
     "zero2-offload": (1, ["--zero-stage", "2", "--offload"]),
-    "ring2": (2, ["--ring-attn-size", "2"]),
+    # checkpointed layers recompute ring attention in the backward (crashed before)
+    "ring2-checkpointing": (2, ["--ring-attn-size", "2", "--gradient-checkpointing"]),
     "tp2": (2, ["--tp-size", "2"]),
 }
 
@@ -194,7 +195,10 @@ def rm_reference(tmp_path_factory):
 
 RM_LAYOUTS = {
     "no-packing": (1, ["--no-packing"]),
-    "ring2": (2, ["--ring-attn-size", "2", "--ring-layout", "contiguous"]),
+    "ring2-checkpointing": (
+        2,
+        ["--ring-attn-size", "2", "--ring-layout", "contiguous", "--gradient-checkpointing"],
+    ),
     "tp2-zero1": (2, ["--tp-size", "2", "--zero-stage", "1"]),
 }
 
@@ -283,6 +287,14 @@ def test_resume_after_a_crash_during_a_save_repeats_the_run(tmp_path):
     for a, b in zip(full[3:], doubled[3:], strict=True):
         assert abs(b["lr"] - 2 * a["lr"]) <= 1e-9 * a["lr"], (a, b)
     assert json.loads((tmp_path / "config.json").read_text())["lr"] == float(args[lr_at])
+    # a run that fails its input checks leaves the earlier run's files alone, even with
+    # --overwrite (metrics.jsonl was truncated, config.json rewritten, checkpoints deleted)
+    files = {p: p.read_bytes() for p in (tmp_path / "config.json", tmp_path / "metrics.jsonl")}
+    bad = args + ["--overwrite", "--input-key", "nope"]
+    proc = run_trainer("sft", bad, tmp_path, check=False)
+    assert proc.returncode == 2 and "--input-key 'nope'" in proc.stderr, proc.stderr[-2000:]
+    assert all(p.read_bytes() == b for p, b in files.items())
+    assert (ckpts / "step-000006" / "trainer_state.json").is_file()
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
@@ -377,7 +389,7 @@ def test_bad_input_is_one_clear_error_on_every_rank(tmp_path):
             "longer than --micro-batch-tokens 16",
         ),
         "output dir": ("sft", [], 1, "is not a writable folder"),
-        "template": ("sft", ["--input-template", "no slot"], 1, "must contain '{}'"),
+        "template": ("sft", ["--input-template", "no slot"], 1, "has no '{}' where the prompt"),
         "two ranks": ("rm", ["--chosen-key", "better"], 2, "--chosen-key 'better'"),
         "tp size": ("sft", ["--tp-size", "3"], 3, "must divide the model's attention heads"),
         "old checkpoints": ("sft", [], 1, "holds checkpoints of an earlier run (newest: step-2)"),

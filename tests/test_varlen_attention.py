@@ -299,12 +299,46 @@ def test_oversized_max_seqlen_is_accepted():
     [
         (dict(window_size=None), TypeError, "pair of ints"),
         (dict(window_size=(2.5, 0)), TypeError, "pair of ints"),
-        (dict(softcap=float("nan")), ValueError, "finite number"),
+        (dict(softcap=float("nan")), ValueError, "softcap must be a number in"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be a number in"),
+        (dict(softcap=1e300), ValueError, "softcap must be a number in"),  # fp32 scores: NaN
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a finite"),
+        (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be a finite"),
+        (dict(softmax_scale="0.1"), ValueError, "softmax_scale must be a finite"),
+        (dict(causal=None), TypeError, "causal must be a bool, got NoneType"),
+        (dict(causal="no"), TypeError, "causal must be a bool, got str"),  # ran causal
+        (dict(max_seqlen_q="8"), TypeError, "max_seqlen_q must be an int or None, got str"),
     ],
 )
 def test_bad_option_types(over, exc, match):
     with pytest.raises(exc, match=match):
         varlen_attention(**_args(), **over)
+
+
+def test_softcap_none_is_off_and_float64_takes_large_caps():
+    a = _args()
+    off = varlen_attention(**a, causal=True)
+    torch.testing.assert_close(varlen_attention(**a, causal=True, softcap=None), off)
+    a64 = {n: t.double() if t.is_floating_point() else t for n, t in a.items()}
+    capped = varlen_attention(**a64, causal=True, softcap=1e300)  # fp64 scores hold it
+    torch.testing.assert_close(capped.float(), off, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_nan_inputs_give_nan_like_plain_attention(dtype, grad):
+    """CPU SDPA's fused kernel wrote 0 for a query row with a NaN score (a diverged model looked
+    fine in no-grad forwards); such inputs now take the explicit path, as plain torch would."""
+    lens = [3, 5, 4]
+    q, k, v = (t.to(dtype) for t in _qkv(lens, lens, dim=16))
+    q[0, 0, 0] = float("nan")  # query 0 of sequence 0, head 0
+    k[3, 1, 0] = float("nan")  # key 0 of sequence 1, kv head 1 (query heads 2, 3)
+    q.requires_grad_(grad)
+    for causal in (False, True):
+        out = varlen_attention(q, k, v, _cu(lens), _cu(lens), causal=causal, backend="torch")
+        assert out[0, 0].isnan().all() and out[3:8, 2:].isnan().all()
+        assert torch.isfinite(out[1:3]).all() and torch.isfinite(out[3:8, :2]).all()
+        assert torch.isfinite(out[8:]).all()  # the clean sequence is untouched
 
 
 def test_degenerate_shapes_raise():

@@ -166,18 +166,63 @@ def test_public_api_matches_torch_backend_and_is_deterministic():
         softcap=3.0,
         return_lse=True,
     )
+    dlse = torch.randn(q.shape[1], q.shape[0])  # causal self-attention: every lse is finite
     results = []
     for backend in ("triton", "triton", "torch"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out, lse = varlen_attention(*leaves, cu_q.long(), cu_k.long(), backend=backend, **kw)
-        out.backward(dout)
+        torch.autograd.backward([out, lse], [dout, dlse])  # the lse is differentiable too
         results.append([out, lse] + [t.grad for t in leaves])
-        if backend == "triton":
-            assert not lse.requires_grad  # lse is returned for merging, not differentiated
     for a, b in zip(results[0], results[1]):  # no atomics: bit-identical reruns
         assert torch.equal(a, b)
     for name, a, b in zip(NAMES, results[0], results[2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_partials_merged_by_their_lse_have_exact_gradients(backend):
+    """Each sequence's keys in two halves, attended apart and merged by their lse, equal full
+    attention, gradients included (the triton lse had no gradient: dq/dk off by 0.3)."""
+    lens_q, lens_k = [5, 9, 3], [6, 1, 4]  # the 1-key sequence leaves one half without keys
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(lens_q), 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(sum(lens_k), 2, 16, generator=g, dtype=torch.float64) for _ in "kv")
+    cu_q = _cu(lens_q)
+    halves, cus, start = ([], []), ([0], [0]), 0
+    for n in lens_k:
+        cut = n // 2
+        halves[0].extend(range(start, start + cut))
+        halves[1].extend(range(start + cut, start + n))
+        cus[0].append(cus[0][-1] + cut)
+        cus[1].append(cus[1][-1] + n - cut)
+        start += n
+    w = torch.randn(sum(lens_q), 4, 16, generator=g, dtype=torch.float64)
+
+    def merged(q, k, v):
+        parts = [
+            varlen_attention(
+                q.float(),
+                k[h].float(),
+                v[h].float(),
+                cu_q,
+                torch.tensor(cu),
+                return_lse=True,
+                backend=backend,
+            )
+            for h, cu in zip(halves, cus)
+        ]
+        lse = torch.logaddexp(parts[0][1], parts[1][1])  # (H, T)
+        return sum(o.double() * (part - lse).exp().double().T[..., None] for o, part in parts)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = merged(*leaves)
+    (out * w).sum().backward()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = varlen_attention_reference(*full, cu_q, _cu(lens_k))  # float64, unsplit
+    (ref * w).sum().backward()
+    for name, a, r in zip(("out", "dq", "dk", "dv"), [out] + leaves, [ref] + full):
+        a, r = (a if name == "out" else a.grad), (r if name == "out" else r.grad)
+        torch.testing.assert_close(a, r, rtol=2e-5, atol=2e-5, msg=f"{backend} merge {name}")
 
 
 def test_rejects_float64():

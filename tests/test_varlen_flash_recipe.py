@@ -123,6 +123,22 @@ def test_flash_attn_keyless_rows_get_minus_inf_and_zero(
     assert torch.isfinite(q.grad).all() and (q.grad[keyless] == 0).all()
 
 
+def test_flash_attn_lse_gradient_raises_instead_of_being_dropped(monkeypatch, fake_cuda):
+    """flash-attn's backward ignores the lse's gradient; the torch and triton backends use it,
+    so a merge by lse would be silently wrong on flash_attn alone: it raises."""
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(float("inf"), 0.0, False, []))
+    q = torch.randn(6, 2, 8, dtype=torch.float16, requires_grad=True)
+    cu = _cu([2, 4])
+    out, lse = varlen_attention(q, q, q, cu, cu, causal=True, return_lse=True)
+    out.float().sum().backward()  # the lse unused: fine
+    assert torch.isfinite(q.grad).all()
+    out, lse = varlen_attention(q, q, q, cu, cu, causal=True, return_lse=True)
+    with pytest.raises(RuntimeError, match="lse has no gradient"):
+        (out.float().sum() + lse.sum()).backward()
+    out, lse = varlen_attention(q, q, q, cu, cu, causal=True, return_lse=True)
+    (out.float().sum() + lse.detach().sum()).backward()  # detached: fine
+
+
 def test_flash_attn_without_lse_still_zeroes_keyless_output(monkeypatch, fake_cuda):
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(1.0, 5.0, False, []))
     q = torch.randn(4, 2, 8, dtype=torch.bfloat16)

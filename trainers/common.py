@@ -34,8 +34,9 @@ def seed_everything(seed: int) -> None:
 def check_output_dir(path: str, layout: Layout | None, cfg=None) -> None:
     """Collective: every rank learns whether ``path`` is a writable folder before heavy work.
     A fresh run (no ``--resume``) refuses a folder holding an earlier run's checkpoints, which a
-    later ``--resume`` would take for its own, unless ``--overwrite`` (rank 0 deletes them)."""
-    from trainers.checkpoint import checkpoint_root, latest_checkpoint
+    later ``--resume`` would take for its own, unless ``--overwrite`` (then
+    :func:`clear_checkpoints` deletes them once the run's inputs have passed their checks)."""
+    from trainers.checkpoint import latest_checkpoint
 
     message = ""
     resume, overwrite = bool(getattr(cfg, "resume", False)), bool(getattr(cfg, "overwrite", False))
@@ -55,13 +56,30 @@ def check_output_dir(path: str, layout: Layout | None, cfg=None) -> None:
     except OSError as e:
         message = f"--output-dir {path!r} is not a writable folder ({e.strerror or e})"
     all_ranks_ok(not message, message, layout)
-    if overwrite and (layout is None or layout.rank == 0):
+
+
+def clear_checkpoints(path: str, layout: Layout | None) -> None:
+    """Collective: rank 0 deletes ``path``'s checkpoints (``--overwrite``)."""
+    from trainers.checkpoint import checkpoint_root
+
+    if layout is None or layout.rank == 0:
         shutil.rmtree(checkpoint_root(path), ignore_errors=True)
-    if overwrite and layout is not None and layout.world > 1:
+    if layout is not None and layout.world > 1:
         dist.barrier()  # nobody saves into the folder while rank 0 clears it
 
 
 # ----------------------------------------------------------------------------- batches
+def reward_positions(seqs: list[torch.Tensor], pad_id: int | None) -> list[int]:
+    """Per sequence, the index of the token a reward model reads: the last one that is not
+    ``pad_id``, as transformers' ``*ForSequenceClassification`` does (with pad == EOS: the
+    token before a final EOS); the last token when ``pad_id`` is None or every token is pad."""
+    out = []
+    for s in seqs:
+        keep = (s != pad_id).nonzero() if pad_id is not None else None
+        out.append(int(keep[-1]) if keep is not None and len(keep) else len(s) - 1)
+    return out
+
+
 def total_steps(n_train: int, cfg) -> int:
     per_epoch = n_train // cfg.batch_size
     if per_epoch == 0:

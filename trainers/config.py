@@ -37,10 +37,19 @@ class TrainConfig:
         "without --eval-dataset or --eval-split, hold out this seeded fraction of --dataset "
         "for evaluation (never trained on); 0 disables evaluation",
     )
-    max_samples: int | None = _f(None, "use at most this many training samples")
-    input_key: str = _f("prompt", "column holding the prompt")
+    max_samples: int | None = _f(
+        None, "use at most this many rows of --dataset (an --eval-ratio holdout comes out of them)"
+    )
+    input_key: str = _f(
+        "prompt",
+        "column holding the prompt (text, or chat messages with --apply-chat-template)",
+    )
     output_key: str = _f("response", "column holding the response (SFT)")
-    input_template: str | None = _f(None, "prompt template containing '{}', e.g. 'Q: {}\\nA: '")
+    input_template: str | None = _f(
+        None,
+        "prompt template for str.format with one '{}' where the prompt goes, e.g. 'Q: {}\\nA: ' "
+        "(literal braces: '{{' '}}')",
+    )
     apply_chat_template: bool = _f(False, "wrap the prompt with the tokenizer's chat template")
     max_len: int = _f(512, "truncate each sample (prompt + response + EOS) to this many tokens")
     # batching
@@ -53,7 +62,8 @@ class TrainConfig:
         "micro-batches are planned by plan_micro_batches and balanced across data-parallel ranks",
     )
     no_packing: bool = _f(
-        False, "padded [B, max_len] micro-batches (same samples and plan) for comparison"
+        False,
+        "padded micro-batches (each to its longest sample; same samples and plan) for comparison",
     )
     # parallelism
     ring_attn_size: int = _f(1, "ranks per ring-attention (sequence-parallel) group")
@@ -71,7 +81,7 @@ class TrainConfig:
     warmup_steps: int = _f(0, "linear warm-up steps")
     lr_scheduler: str = _f(
         "cosine",
-        "decay after warm-up (cosine: to 10% of --lr at the last step)",
+        "decay after warm-up (cosine: toward 10% of --lr, reached after the last step)",
         choices=("cosine", "constant"),
     )
     max_grad_norm: float = _f(1.0, "gradient clipping by global norm (0 disables)")
@@ -132,11 +142,9 @@ class TrainConfig:
                 f"--tp-size {self.tp_size} cannot be combined with --zero-stage 3 (DeepSpeed "
                 "0.19.8 rejects the batch sizes of AutoTP under ZeRO-3); use --zero-stage 0, 1 or 2"
             )
-        if self.input_template is not None and "{}" not in self.input_template:
-            raise ValueError(
-                f"--input-template must contain '{{}}' where the prompt goes, got "
-                f"{self.input_template!r}"
-            )
+        from trainers.data import check_template
+
+        check_template(self.input_template, "--input-template")
         if self.no_packing and self.ring_attn_size > 1:
             raise ValueError(
                 "--no-packing cannot be combined with --ring-attn-size > 1 "

@@ -7,6 +7,7 @@ unless truncation cut it off (SFT only; pairs always keep it so a reward is read
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -129,8 +130,10 @@ def split_train_eval(
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """``(train, eval)``: ``eval_ds`` as given, else a seeded ``eval_ratio`` holdout of ``train``.
 
-    The holdout has at least 1 row and leaves at least 1; both keep their original row order and
-    never overlap. ``eval_ratio == 0`` and no ``eval_ds`` gives ``(train, None)``.
+    The holdout has at least 1 row; both keep their original row order and never overlap, in
+    content too: a training row equal to a held-out one (a row that ``--dataset-probs`` mixing
+    repeats, or a duplicate in the data) is dropped from training. ``eval_ratio == 0`` and no
+    ``eval_ds`` gives ``(train, None)``.
     """
     if not 0 <= eval_ratio < 1:
         raise ValueError(f"eval_ratio: expected a float in [0, 1), got {eval_ratio!r}")
@@ -141,10 +144,15 @@ def split_train_eval(
         raise ValueError(f"eval_ratio: holding out needs at least 2 training rows, got {n}")
     n_eval = min(max(1, round(n * eval_ratio)), n - 1)
     held = set(random.Random(seed).sample(range(n), n_eval))
-    return (
-        train.select([i for i in range(n) if i not in held]),
-        train.select(sorted(held)),
-    )
+    rows = [json.dumps(row, sort_keys=True, default=str) for row in train]
+    seen = {rows[i] for i in held}
+    keep = [i for i in range(n) if i not in held and rows[i] not in seen]
+    if not keep:
+        raise ValueError(
+            f"eval_ratio: every training row equals a held-out row ({n} rows, "
+            f"{len(seen)} distinct); lower --eval-ratio or give --eval-dataset"
+        )
+    return train.select(keep), train.select(sorted(held))
 
 
 def check_keys(ds: datasets.Dataset, keys: dict[str, str | None], what: str) -> None:
@@ -156,23 +164,92 @@ def check_keys(ds: datasets.Dataset, keys: dict[str, str | None], what: str) -> 
             raise ValueError(msg + (f" ({notes[-1]})" if notes else ""))
 
 
+def check_template(input_template: str | None, flag: str = "input_template") -> None:
+    """ValueError unless ``input_template.format(prompt)`` works and places the prompt (a
+    ``{{}}`` is a literal ``{}`` for ``str.format``; write literal braces as ``{{`` ``}}``)."""
+    if input_template is None:
+        return
+    try:
+        placed = "\0" in input_template.format("\0")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"{flag} {input_template!r}: str.format fails on it ({type(e).__name__}: {e}); "
+            "literal braces are written {{ and }}"
+        ) from None
+    if not placed:
+        raise ValueError(
+            f"{flag} {input_template!r} has no '{{}}' where the prompt goes ('{{{{}}}}' is a "
+            "literal '{}')"
+        )
+
+
+def is_chat(value) -> bool:
+    """A list of chat messages (``{"role": ..., "content": ...}`` dicts)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, Mapping) and {"role", "content"} <= m.keys() for m in value)
+    )
+
+
+def check_values(
+    ds: datasets.Dataset, keys: dict[str, str | None], what: str, chat_flag: str | None = None
+) -> None:
+    """ValueError naming the flag, column and 0-based row of the first value that is not text
+    (None, a float, a list...): integers are fine (read as their digits), ``--margin-key``
+    takes numbers, and the ``chat_flag`` column may hold chat messages (with
+    ``--apply-chat-template``)."""
+    for flag, column in keys.items():
+        if column is None:
+            continue
+        for i, value in enumerate(ds[column]):
+            if flag == "--margin-key":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                want = "a number"
+            else:
+                ok = isinstance(value, (str, int)) and not isinstance(value, bool)
+                ok = ok or (flag == chat_flag and is_chat(value))
+                want = "text" + (" or a list of chat messages" if flag == chat_flag else "")
+            if not ok:
+                shown = repr(value)[:60]
+                hint = ""
+                if is_chat(value) and flag != chat_flag:
+                    hint = (
+                        " (chat messages are read from the prompt column with "
+                        "--apply-chat-template only)"
+                    )
+                raise ValueError(
+                    f"{flag} {column!r}: row {i} (0-based) of the {what} holds "
+                    f"{type(value).__name__} {shown}, expected {want}{hint}"
+                )
+
+
 def render_prompt(
-    tokenizer, text: str, input_template: str | None, apply_chat_template: bool
+    tokenizer, text, input_template: str | None, apply_chat_template: bool
 ) -> list[int]:
     """Prompt token ids: ``input_template.format(text)``, then a one-turn chat with a generation
     prompt if ``apply_chat_template`` (specials come from the template), else ``encode`` (which
-    adds BOS if the tokenizer does)."""
-    if input_template is not None:
-        if "{}" not in input_template:
+    adds BOS if the tokenizer does). ``text`` may be a list of chat messages (with
+    ``apply_chat_template``, no template): the conversation so far, answered next; an integer
+    is read as its digits."""
+    if is_chat(text):
+        if not apply_chat_template or input_template is not None:
             raise ValueError(
-                f"input_template: expected a string containing '{{}}', got {input_template!r}"
+                "a prompt of chat messages needs --apply-chat-template and no --input-template"
             )
-        text = input_template.format(text)
-    if not apply_chat_template:
-        return list(tokenizer.encode(text))
+        messages = [dict(m) for m in text]
+    else:
+        text = str(text) if isinstance(text, int) and not isinstance(text, bool) else text
+        if not isinstance(text, str):
+            raise ValueError(f"prompt: expected text, got {type(text).__name__} {text!r:.60}")
+        check_template(input_template)
+        if input_template is not None:
+            text = input_template.format(text)
+        if not apply_chat_template:
+            return list(tokenizer.encode(text))
+        messages = [{"role": "user", "content": text}]
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("apply_chat_template: expected a tokenizer with a chat_template, got none")
-    messages = [{"role": "user", "content": text}]
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers >= 5: BatchEncoding
         out = out["input_ids"]
@@ -212,7 +289,7 @@ def tokenize_sft(
     prompt_ids = render_prompt(tokenizer, prompt, input_template, apply_chat_template)
     if len(prompt_ids) >= max_len:
         return None
-    answer = [*tokenizer.encode(response, add_special_tokens=False), _eos_id(tokenizer)]
+    answer = [*tokenizer.encode(str(response), add_special_tokens=False), _eos_id(tokenizer)]
     ids = (prompt_ids + answer)[:max_len]
     mask = ([0] * len(prompt_ids) + [1] * len(answer))[:max_len]
     return {"input_ids": ids, "loss_mask": mask}
@@ -239,7 +316,7 @@ def tokenize_pair(
     eos = _eos_id(tokenizer)
 
     def seq(response: str) -> list[int]:
-        ids = prompt_ids + list(tokenizer.encode(response, add_special_tokens=False))
+        ids = prompt_ids + list(tokenizer.encode(str(response), add_special_tokens=False))
         return ids[: max_len - 1] + [eos]
 
     return {"chosen_ids": seq(chosen), "rejected_ids": seq(rejected)}

@@ -50,7 +50,8 @@ def ds_config(cfg, layout: Layout) -> dict:
 
 
 def lr_lambda(cfg, total_steps: int):
-    """Linear warm-up, then constant or cosine decay to 10% at ``total_steps``."""
+    """Linear warm-up, then constant or cosine decay toward 10%, reached at ``total_steps``
+    (after the last update, which runs at the factor of ``total_steps - 1``)."""
 
     def factor(step: int) -> float:  # step = optimizer steps taken so far
         if step < cfg.warmup_steps:

@@ -318,7 +318,8 @@ def score(reward, tokenizer, samples, texts, cfg: PPOConfig, layout: Layout) -> 
 @torch.no_grad()
 def model_rewards(model, seqs: list[torch.Tensor], cfg, layout: Layout, pad_id: int) -> list:
     """Reward-model scores of whole ``seqs`` (this rank's, no ring split): the value at each
-    sequence's last token, normalised by the model's saved ``reward_mean`` / ``reward_std``.
+    sequence's last token that is not the reward model's pad token (where transformers reads
+    it), normalised by the model's saved ``reward_mean`` / ``reward_std``.
     Runs in ``--micro-batch-tokens`` micro-batches, the same number on every rank (padded with
     a 2-token dummy), since a ZeRO-3 reward model gathers its weights in each forward."""
     from trainers.modeling import RewardModel
@@ -329,7 +330,8 @@ def model_rewards(model, seqs: list[torch.Tensor], cfg, layout: Layout, pad_id: 
     for m in range(max_across(len(plan), layout)):
         part = [seqs[i] for i in plan[m]] if m < len(plan) else [torch.tensor([pad_id, pad_id])]
         mb, _, packed = common.packed_inputs(part, {}, None, plain)
-        last = (packed.cu_seqlens[1:].long() - 1).to(layout.device)
+        at = common.reward_positions(part, getattr(model.config, "pad_token_id", None))
+        last = (packed.cu_seqlens[:-1].long() + torch.tensor(at)).to(layout.device)
         r = RewardModel(model)(**mb.inputs, last_index=last).tolist()
         for i, v in zip(plan[m] if m < len(plan) else [], r):
             out[i] = v

@@ -10,6 +10,7 @@ the reward is read at each sequence's last token (its EOS). The saved folder rel
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -85,16 +86,23 @@ class _RingSum(torch.autograd.Function):
         return g, None
 
 
-def rewards(engine, pairs: list[Pair], cfg, layout: Layout, pad_id: int) -> torch.Tensor:
-    """``(2 * n,)`` rewards of ``pairs`` (chosen, rejected interleaved) from one forward."""
+def rewards(
+    engine, pairs: list[Pair], cfg, layout: Layout, pad_id: int, scope: contextlib.ExitStack
+) -> torch.Tensor:
+    """``(2 * n,)`` rewards of ``pairs`` (chosen, rejected interleaved) from one forward.
+
+    A ring shard's ``ring_context`` is entered on ``scope``: keep it open through the backward
+    (gradient checkpointing recomputes ring attention there)."""
     seqs = [s for p in pairs for s in (p.chosen, p.rejected)]
+    # where the saved model's AutoModelForSequenceClassification reads (pad == EOS included)
+    at = common.reward_positions(seqs, pad_id)
     if cfg.no_packing:
         mb = common.padded_inputs(seqs, pad_id, layout)
         width = mb.inputs["input_ids"].shape[1]
-        last = torch.tensor([b * width + len(s) - 1 for b, s in enumerate(seqs)])
+        last = torch.tensor([b * width + a for b, a in enumerate(at)])
         return engine(**mb.inputs, last_index=last.to(layout.device))
     mb, _, packed = common.packed_inputs(seqs, {}, cfg, layout)
-    last = packed.cu_seqlens[1:].long() - 1
+    last = packed.cu_seqlens[:-1].long() + torch.tensor(at)
     if mb.ring_plan is None:
         return engine(**mb.inputs, last_index=last.to(layout.device))
     # ring: each sequence's last token lives on one rank; the others add zeros
@@ -102,8 +110,8 @@ def rewards(engine, pairs: list[Pair], cfg, layout: Layout, pad_id: int) -> torc
     gidx = plan.shard(torch.arange(plan.total), r)
     slots = (plan.valid_mask(r) & torch.isin(gidx, last)).nonzero().flatten()
     docs = torch.searchsorted(last, gidx[slots])
-    with mb.context(layout):
-        local = engine(**mb.inputs, last_index=slots.to(layout.device))
+    scope.enter_context(mb.context(layout))
+    local = engine(**mb.inputs, last_index=slots.to(layout.device))
     full = local.new_zeros(len(seqs)).index_add(0, docs.to(local.device), local)
     return _RingSum.apply(full, layout.ring_group)
 
@@ -115,14 +123,15 @@ def run_batch(engine, pairs: list[Pair], cfg, layout, pad_id, train: bool) -> di
     loss_sum = correct = r_sum = r_sq = 0.0
     for i, idx in enumerate(plan):
         mine = [pairs[j] for j in idx] or [Pair(torch.tensor([pad_id]), torch.tensor([pad_id]))]
-        with torch.set_grad_enabled(train):
-            r = rewards(engine, mine, cfg, layout, pad_id).view(-1, 2)
+        with contextlib.ExitStack() as scope, torch.set_grad_enabled(train):
+            r = rewards(engine, mine, cfg, layout, pad_id, scope).view(-1, 2)
             margin = torch.tensor([p.margin for p in mine], device=r.device)
             loss = -F.logsigmoid(r[:, 0] - r[:, 1] - margin)
             if not idx:  # padding micro-batch: graph for the ZeRO hooks, no contribution
                 loss = loss * 0.0
-        if train:
-            accumulate(engine, loss.sum() * (layout.ds_dp_size / n_pairs), i == len(plan) - 1)
+            if train:
+                scale = layout.ds_dp_size / n_pairs
+                accumulate(engine, loss.sum() * scale, i == len(plan) - 1)
         if idx:
             r = r.detach().double()
             loss_sum += loss.sum().item()

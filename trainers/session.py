@@ -55,7 +55,7 @@ class Session:
     layout: Layout
     model_path: str
     tokenizer: Any
-    logger: Any
+    logger: Any = None  # opened by progress(): see _open_outputs
     total: int = 0
     critic: Any = None  # a second engine saved in checkpoints (PPO's critic)
 
@@ -99,22 +99,30 @@ class Session:
             )
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        return cls(cfg, kind, layout, model_path, tokenizer)
+
+    def _open_outputs(self) -> None:
+        """When the loop starts (data, model and checkpoint have passed their checks, so a run
+        that fails them leaves an earlier run's files alone): ``--overwrite`` deletes the old
+        checkpoints, ``metrics.jsonl`` / TensorBoard / wandb open, ``config.json`` is written."""
         from trainers.cli import config_to_dict
         from trainers.logger import MetricsLogger
 
-        logger = MetricsLogger(
+        cfg = self.cfg
+        if cfg.overwrite:
+            common.clear_checkpoints(cfg.output_dir, self.layout)
+        self.logger = MetricsLogger(
             cfg.output_dir,
             kind=cfg.logger,
-            enabled=layout.is_main,
-            run_name=f"{kind}-{Path(cfg.output_dir).name}",
+            enabled=self.layout.is_main,
+            run_name=f"{self.kind}-{Path(cfg.output_dir).name}",
             config=config_to_dict(cfg),
             resume=cfg.resume,
         )
-        if layout.is_main:
+        if self.layout.is_main:
             Path(cfg.output_dir, "config.json").write_text(
                 json.dumps(config_to_dict(cfg), indent=1)
             )
-        return cls(cfg, kind, layout, model_path, tokenizer, logger)
 
     # ------------------------------------------------------------------------- data
     def _rows(self, keys: dict, what: str, check=None):
@@ -131,6 +139,9 @@ class Session:
             )
         rows = data.load_mixture(path, cfg.dataset_probs, cfg.split, cfg.seed, cfg.max_samples)
         data.check_keys(rows, keys, f"{what} dataset")
+        # the prompt column may hold chat messages when a chat template renders them
+        chat = next(iter(keys)) if cfg.apply_chat_template else None
+        data.check_values(rows, keys, f"{what} dataset", chat)
         if check is not None:
             check(rows, f"--dataset (--split {cfg.split!r})")
         eval_rows = None
@@ -138,6 +149,7 @@ class Session:
             source = cfg.eval_dataset or path
             eval_rows = data.load_mixture(source, None, cfg.eval_split or "train", cfg.seed, None)
             data.check_keys(eval_rows, keys, "evaluation dataset")
+            data.check_values(eval_rows, keys, "evaluation dataset", chat)
             if check is not None:
                 check(eval_rows, f"evaluation data (--eval-split {cfg.eval_split or 'train'!r})")
         return data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
@@ -357,6 +369,7 @@ class Session:
     def progress(self, start: int):
         from tqdm import tqdm
 
+        self._open_outputs()
         self._bar = tqdm(
             range(start + 1, self.total + 1),
             initial=start,

@@ -90,10 +90,12 @@ def run_batch(engine, samples: list[Sample], cfg, layout, pad_id, train: bool) -
     nll_sum, slots = 0.0, 0
     for i, idx in enumerate(plan):
         mb = micro_batch([samples[j] for j in idx], cfg, layout, pad_id)
+        # the backward too runs in the ring context: checkpointed layers recompute ring attention
         with mb.context(layout), torch.set_grad_enabled(train):
             nll = engine(**mb.inputs)
-        if train:  # DeepSpeed averages over its dp x ring ranks: scale back to a global sum
-            accumulate(engine, nll * (layout.ds_dp_size / max(n_targets, 1)), i == len(plan) - 1)
+            if train:  # DeepSpeed averages over its dp x ring ranks: scale back to a global sum
+                scale = layout.ds_dp_size / max(n_targets, 1)
+                accumulate(engine, nll * scale, i == len(plan) - 1)
         nll_sum += nll.item()
         slots += mb.slots
     # summed over every rank: tp ranks repeat the same numbers, ring ranks split the tokens

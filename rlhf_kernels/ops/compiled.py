@@ -14,7 +14,8 @@ bad input still raises, before any work.
 - ``rlhf_kernels::varlen_attention_fwd`` -> ``(out, lse)``; lse is ``(heads, total_q)`` fp32 for
   the Triton backend (the backward reuses it) and empty for the others.
 - ``rlhf_kernels::varlen_attention_bwd`` -> ``(dq, dk, dv)``: the Triton backward kernels from the
-  saved ``out``/``lse``, or for the other backends a recomputed forward under autograd.
+  saved ``out``/``lse`` (and the lse's gradient), or for the other backends a recomputed forward
+  under autograd.
 - ``rlhf_kernels::segments_from_position_ids`` -> int32 ``cu_seqlens`` (data-dependent length).
 - ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
   mask (data-dependent lengths).
@@ -98,6 +99,7 @@ def varlen_attention_bwd(
     softcap: float,
     backend: str,
     deterministic: bool,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
         from rlhf_kernels.ops.varlen_attention_triton import varlen_attention_triton_backward
@@ -107,7 +109,7 @@ def varlen_attention_bwd(
             return varlen_attention_triton_backward(
                 dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, cu_q32, cu_k32,
                 _max_len(cu_q32), _max_len(cu_k32), scale, causal, (left, right),
-                softcap,
+                softcap, dlse=dlse,
             )  # fmt: skip
     from rlhf_kernels.ops.varlen_attention import varlen_attention
 
@@ -124,7 +126,8 @@ def varlen_attention_bwd(
 
 
 @varlen_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, backend, det):
+def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, backend, det,
+      dlse=None):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -135,9 +138,12 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
-    del dlse  # lse is not differentiable (as in the eager path)
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = varlen_attention_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.params)
+    # the lse is returned (and differentiable) only on the triton backend, as in eager mode
+    dlse = dlse.contiguous() if dlse is not None and lse.numel() else None
+    dq, dk, dv = varlen_attention_bwd(
+        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse
+    )
     return dq, dk, dv, *(None,) * 11
 
 

@@ -827,8 +827,8 @@ def linear_policy_loss(
             sampled token scored at position ``t``.
         old_logp, advantages: float, labels' shape: behaviour-policy log-probs and advantages
             (constants: no gradient flows to them).
-        mask: labels' shape, 0/1 tokens that count (default all; required for padded input
-            with a ``seq-mean-*`` aggregation, whose sequences are then the rows).
+        mask: labels' shape, 0/1 tokens that count (default all for packed input; required
+            for a padded ``(B, T)`` batch, whose sequences are the rows, as in ``policy_loss``).
         cu_seqlens: ``(S + 1,)`` sequence boundaries of the packed layout, needed by the
             sequence-level aggregations (not by ``"token-mean"``).
         clip_low, clip_high, dual_clip, aggregation, norm_length: as

@@ -9,6 +9,8 @@ element-wise passes that torch.compile fuses).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlhf_kernels._checks import as_cu_seqlens, check_mask, check_same_device, sequence_ids
@@ -50,7 +52,10 @@ def kl_penalty(
     elif estimator == "k2":
         kl = 0.5 * d.square()
     else:
-        kl = torch.expm1(-d) + d  # exp(ref - logp) - 1 - (ref - logp)
+        x = -d  # ref - logp
+        if clamp is not None:  # exp(x) finite; f(x) = expm1(x) - x is >= clamp from this bound
+            x = x.clamp(max=math.log1p(clamp) + 1.0)  # on, so values and gradients are unchanged
+        kl = torch.expm1(x) - x
     return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 

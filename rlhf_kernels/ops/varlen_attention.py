@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import operator
 import warnings
 from collections.abc import Sequence
@@ -121,6 +122,17 @@ def varlen_attention_reference(
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
+def fold_lse_grad(delta, dlse, lse):
+    """The backward's ``delta = rowsum(dO * O)`` ``(H, T)`` with the lse's gradient folded in.
+
+    ``d lse_i / d s_ij = P_ij``, so a gradient ``dlse`` on the lse adds ``P_ij * dlse_i`` to the
+    score gradient ``P_ij * (dP_ij - delta_i)``: the same as ``delta - dlse``. Rows that see no
+    key (lse ``-inf``, P = 0) take none of it (a non-finite ``dlse`` there would give NaN)."""
+    if dlse is None:
+        return delta
+    return delta - dlse.to(delta.dtype).masked_fill(torch.isneginf(lse), 0.0)
+
+
 # ----------------------------------------------------------------------------- torch backend
 def _torch_varlen_attention(
     q, k, v, cu_q, cu_k, scale, causal, window_size, softcap, dropout_p, return_lse
@@ -132,6 +144,9 @@ def _torch_varlen_attention(
     own key, so no row is empty); sequences of equal length share one batched SDPA call (at most
     ``_SDPA_BATCH_SCORES`` query-key pairs per call, or one sequence if it is longer). Everything
     else uses the explicit fp32 math of the reference, one sequence at a time.
+
+    On CPU, inputs holding NaN or inf skip SDPA (its fused kernel turns a NaN row into zeros)
+    and give NaN as plain attention does.
 
     Precision: fp16/bf16 GQA expands K/V before SDPA (SDPA's own ``enable_gqa`` backward sums a
     group's dK/dV in low precision: 2-4x plain torch's error). fp32 on CPU with gradients wanted
@@ -150,7 +165,13 @@ def _torch_varlen_attention(
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad)
     )
-    fused = softcap == 0 and not return_lse
+    # the fused CPU kernel writes 0 for a row with NaN scores: inputs with NaN/inf take the
+    # explicit path, which propagates them like plain torch (CPU only: a check costs no sync)
+    fused = (
+        softcap == 0
+        and not return_lse
+        and (q.device.type != "cpu" or all(bool(t.isfinite().all()) for t in (q, k, v)))
+    )
     windowed = tuple(window_size) != (-1, -1)
     n_seq = len(cu_q) - 1
     pieces: list[torch.Tensor | None] = [None] * n_seq  # (lq, heads, head_dim) per sequence
@@ -236,6 +257,24 @@ def _window_pair(window_size) -> tuple[int, int]:
     return pair[0], pair[1]
 
 
+def scalar_problem(softmax_scale, causal, softcap, dtype: torch.dtype) -> str:
+    """What is wrong with the scalar options ('' when nothing): ``softmax_scale`` None or a
+    finite number, ``causal`` a bool, ``softcap`` a number in ``[0, max]`` of the dtype the
+    scores are computed in (fp32, fp64 for fp64 inputs; larger caps overflow to NaN there)."""
+    if softmax_scale is not None and not (_real(softmax_scale) and math.isfinite(softmax_scale)):
+        return f"softmax_scale must be a finite number or None, got {softmax_scale!r}"
+    if not isinstance(causal, bool):
+        return f"causal must be a bool, got {type(causal).__name__} {causal!r}"
+    big = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    if not (_real(softcap) and 0 <= softcap <= big):  # also rejects NaN and inf
+        return f"softcap must be a number in [0, {big:.4g}] (0: off), got {softcap!r}"
+    return ""
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, window_size, softcap
 ):
@@ -277,13 +316,18 @@ def _check_inputs(
         ("max_seqlen_k", max_seqlen_k, cu_k),
     ):
         longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
-        if given is not None and int(given) < longest:
+        if given is not None:
+            try:
+                given = operator.index(given)  # int, numpy int, 0-d integer tensor
+            except TypeError:
+                raise TypeError(
+                    f"{name} must be an int or None, got {type(given).__name__} {given!r}"
+                ) from None
+        if given is not None and given < longest:
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     _window_pair(window_size)
-    if not softcap >= 0 or softcap == float("inf"):  # also rejects NaN
-        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
     return cu_q, cu_k
 
 
@@ -361,10 +405,11 @@ def varlen_attention(
         dropout_p: attention dropout (torch and flash_attn backends only; ``"auto"`` on CUDA
             without flash-attn then runs torch and warns once, see :func:`resolve_backend`).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
-        causal: bottom-right aligned causal mask.
+        causal: bottom-right aligned causal mask (a bool).
         window_size: ``(left, right)`` sliding window, any length-2 sequence or integer tensor;
             -1 means unbounded.
-        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2).
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2); 0 or None
+            is off.
         return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32 (natural log of the
             masked, scaled, capped scores' exp-sum; ``-inf`` for a query that sees no key).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"flash_attn"``.
@@ -374,8 +419,16 @@ def varlen_attention(
 
     Returns:
         out ``(total_q, heads, head_dim)`` in q's dtype, or ``(out, lse)``. Differentiable in
-        q, k, v (through ``out``; the lse is for merging partial results, as in flash-attn).
+        q, k, v through ``out`` and the lse (so partial results merged by their lse get exact
+        gradients) on the torch and triton backends; flash-attn drops the lse's gradient, so on
+        the ``flash_attn`` backend a backward through the lse raises instead.
     """
+    softcap = 0.0 if softcap is None else softcap  # None: off (as transformers passes it)
+    problem = scalar_problem(
+        softmax_scale, causal, softcap, q.dtype if isinstance(q, torch.Tensor) else None
+    )
+    if problem:
+        raise (TypeError if problem.startswith("causal") else ValueError)(problem)
     if isinstance(q, torch.Tensor):  # lists are converted; other types fail in the checks
         cu_seqlens_q = as_cu_seqlens(cu_seqlens_q, q.device, "cu_seqlens_q")
         cu_seqlens_k = as_cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k")
@@ -521,4 +574,23 @@ def _flash_attn_varlen(
         out = out.masked_fill(empty[:, None, None], 0.0)
         if lse is not None:
             lse = lse.masked_fill(empty, float("-inf"))
-    return (out, lse.float()) if return_lse else out
+    return (out, _NoLseGrad.apply(lse.float())) if return_lse else out
+
+
+class _NoLseGrad(torch.autograd.Function):
+    """Identity on flash-attn's lse; a gradient reaching it raises (flash-attn would drop it)."""
+
+    @staticmethod
+    def forward(ctx, lse):
+        ctx.set_materialize_grads(False)
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, dlse):
+        if dlse is not None:
+            raise RuntimeError(
+                "varlen_attention(backend='flash_attn'): the lse has no gradient (flash-attn "
+                "drops it, so the result would be silently wrong); use backend='triton' or "
+                "'torch' to differentiate through the lse, or detach it"
+            )
+        return None

@@ -50,6 +50,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from rlhf_kernels._checks import device_guard
+from rlhf_kernels.ops.varlen_attention import fold_lse_grad
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -672,6 +673,7 @@ def varlen_attention_triton_backward(
     delta: torch.Tensor | None = None,
     grad_dtype: torch.dtype | None = None,
     gqa_split: int | None = None,
+    dlse: torch.Tensor | None = None,
 ):
     """Backward kernel launches: ``(dq, dk, dv)`` in the shapes of q, k, v and their dtypes (or
     ``grad_dtype``).
@@ -679,6 +681,7 @@ def varlen_attention_triton_backward(
     ``dout`` ``(total_q, H, D)`` is the gradient of ``out``; ``lse`` the forward's ``(H, total_q)``.
     ``diff`` as in the forward. ``delta``: ``rowsum(dout * out)`` ``(H, total_q)`` fp32 when the
     caller has it (ring attention: from the merged output; ``out`` is then not read).
+    ``dlse``: the gradient of ``lse`` ``(H, total_q)``, if any (see :func:`fold_lse_grad`).
     """
     total_q, heads, dim = q.shape
     batch = cu_seqlens_q.numel() - 1
@@ -688,6 +691,7 @@ def varlen_attention_triton_backward(
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = _block_d(dim)
     if delta is not None:
+        delta = fold_lse_grad(delta, dlse, lse)
         return _backward_kernels(
             dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split,
@@ -708,6 +712,7 @@ def varlen_attention_triton_backward(
         BLOCK_T=block_t,
         BLOCK_D=block_d,
     )
+    delta = fold_lse_grad(delta, dlse, lse)
     return _backward_kernels(
         dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split,
@@ -778,7 +783,7 @@ def _dot_meta(dtype: torch.dtype) -> dict:
 
 
 class VarlenAttentionTriton(torch.autograd.Function):
-    """Autograd wrapper: differentiable in q, k, v through ``out``; lse is not differentiable."""
+    """Autograd wrapper: differentiable in q, k, v through ``out`` and ``lse``."""
 
     @staticmethod
     def forward(
@@ -815,16 +820,17 @@ class VarlenAttentionTriton(torch.autograd.Function):
             )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused lse costs nothing in the backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        del dlse  # lse is marked non-differentiable
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
         with device_guard(q):
             dq, dk, dv = varlen_attention_triton_backward(
-                dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params
+                dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse
             )
         return dq, dk, dv, None, None, None, None, None, None, None, None
 

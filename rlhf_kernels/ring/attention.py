@@ -30,6 +30,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from rlhf_kernels.ops.varlen_attention import fold_lse_grad
 from rlhf_kernels.ring.blocks import (
     backward_block,
     backward_block_triton,
@@ -164,10 +165,12 @@ def _gathered_head_groups(spec, k, v):
         yield h0, h1, kv
 
 
-def _ring_backward(spec, q, k, v, out, lse, dout):
+def _ring_backward(spec, q, k, v, out, lse, dout, dlse=None):
     cdt = lse.dtype
     do, outc = dout.to(cdt), out.to(cdt)
-    delta = (do * outc).sum(-1).T.contiguous()  # (H, L)
+    delta = fold_lse_grad((do * outc).sum(-1).T, dlse, lse).contiguous()  # (H, L)
+    if dlse is not None:  # the fused CPU tile kernel makes its own delta: explicit tiles
+        spec.fused = False
     qc, do = (q, dout) if spec.triton else (q.to(cdt), do)  # Triton: the input dtype
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     g = q.shape[1] // k.shape[1]
@@ -225,14 +228,14 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.spec = spec
         ctx.save_for_backward(q, k, v, out, lse)
-        lse32 = lse.float()
-        ctx.mark_non_differentiable(lse32)
-        return out, lse32
+        ctx.set_materialize_grads(False)  # an unused lse costs nothing in the backward
+        return out, lse.float()
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.spec, q, k, v, out, lse, dout.contiguous())
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = _ring_backward(ctx.spec, q, k, v, out, lse, dout, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -317,8 +320,10 @@ def ring_varlen_attention(
             off, ``=1`` forces it, e.g. on CPU under ``TRITON_INTERPRET=1``).
 
     Returns:
-        out ``(local_len, heads, head_dim)`` in q's dtype (pad rows 0), or ``(out, lse)``.
+        out ``(local_len, heads, head_dim)`` in q's dtype (pad rows 0), or ``(out, lse)``;
+        differentiable in q, k, v through both.
     """
+    softcap = 0.0 if softcap is None else softcap  # None: off, as in varlen_attention
     try:
         rank, group_size = group_rank(group)
     except ValueError as e:

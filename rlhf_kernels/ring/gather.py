@@ -90,6 +90,8 @@ def gather_from_ring(
     """
     rank = _check_gather(local, plan, group, dst)
     local = local.detach().contiguous()
+    if plan.world_size == 1:  # a ring of one (no process group needed, as for the attention)
+        return plan.unshard([local])
     if dst is None:
         flat = torch.empty(
             (plan.world_size * plan.local_len, *local.shape[1:]),
@@ -148,7 +150,8 @@ def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> tor
         both = torch.stack([count, torch.zeros_like(count)])  # [count, failed ranks]
     else:
         both = torch.tensor([0.0, 1.0], dtype=torch.float64, device=_device_of(values, mask))
-    dist.all_reduce(both, group=group)
+    if group_rank(group)[1] > 1:  # a ring of one needs no process group
+        dist.all_reduce(both, group=group)
     if error is not None:
         raise error
     if bool(both[1] > 0):  # one host read per call (the price of raising on every rank)

@@ -8,11 +8,13 @@ whether any rank failed (and whether all ranks agree on the facts), and all of t
 from __future__ import annotations
 
 import operator
+import struct
 import zlib
 
 import torch
 import torch.distributed as dist
 
+from rlhf_kernels.ops.varlen_attention import scalar_problem
 from rlhf_kernels.ring.plan import RingPlan
 
 COMMS = ("p2p", "allgather")
@@ -91,13 +93,15 @@ _REASONS = {
 }
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _bits(x: float) -> int:
+    """A float as the int64 of its bits: an exact fingerprint of any finite value."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _local_problem(
-    q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, softmax_scale=None
-):
+    q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, causal,
+    softmax_scale=None,
+):  # fmt: skip
     """Checks that need no communication: (code, message); 0 = fine, 4 = a TypeError. Every
     option's type is checked here, so building the facts afterwards cannot raise on one rank."""
     if not isinstance(plan, RingPlan):
@@ -137,10 +141,9 @@ def _local_problem(
         return 4, f"window_size must be (left, right) ints, got {window_size!r}"
     if len(window) != 2:
         return 3, f"window_size must be (left, right), got {window_size!r}"
-    if not _number(softcap) or not softcap >= 0:
-        return 3, f"softcap must be a number >= 0, got {softcap!r}"
-    if softmax_scale is not None and not (_number(softmax_scale) and softmax_scale > 0):
-        return 3, f"softmax_scale must be a number > 0 or None, got {softmax_scale!r}"
+    problem = scalar_problem(softmax_scale, causal, softcap, q.dtype)
+    if problem:
+        return (4 if problem.startswith("causal") else 3), problem
     if kv_head_stride is not None and not (isinstance(kv_head_stride, int) and kv_head_stride > 0):
         return 3, f"kv_head_stride must be a positive int or None, got {kv_head_stride!r}"
     if not isinstance(tile, int) or tile < 1:
@@ -189,8 +192,9 @@ def validate_ring_call(
     except (TypeError, AttributeError):
         key = None
     code, msg = _local_problem(
-        q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, softmax_scale
-    )
+        q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, causal,
+        softmax_scale,
+    )  # fmt: skip
     passed = ("validated", group, world)
     if code and key is not None and any(c[:3] == passed for c in plan._cache if type(c) is tuple):
         # the other ranks passed with this plan before and skip the check: do not wait for them
@@ -208,11 +212,11 @@ def validate_ring_call(
             int(causal),
             int(window_size[0]),
             int(window_size[1]),
-            int(round(softcap * 1e6)),
+            _bits(softcap),
             COMMS.index(comm),
             kv_head_stride or 0,
             tile,
-            -1 if softmax_scale is None else int(round(float(softmax_scale) * 1e9)),
+            -1 if softmax_scale is None else _bits(softmax_scale),
         ]
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     check_on_every_rank(
