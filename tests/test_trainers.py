@@ -216,6 +216,52 @@ def test_rm_layouts_give_the_same_losses(name, rm_reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_rm_without_a_pad_token_reloads_with_its_logged_scores(tmp_path):
+    """A tokenizer without a pad token (Llama, Mistral) trains with pad = EOS. The reward is read
+    where the saved AutoModelForSequenceClassification reads it (the last non-pad token), so
+    the reloaded model scores the held-out pairs as logged (it read the EOS in training and
+    the token before it after reload: accuracy 0.94 logged vs 0.98 reloaded)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    from trainers import data
+    from trainers.tiny import ensure_tiny
+
+    tok = AutoTokenizer.from_pretrained(ensure_tiny())
+    tok.pad_token = None
+    base = AutoModelForCausalLM.from_pretrained(ensure_tiny())
+    base.config.pad_token_id = None
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    run_trainer("rm", SHORT + ["--model", str(tmp_path / "base")], tmp_path / "rm")
+    saved = tmp_path / "rm" / "model"
+    model = AutoModelForSequenceClassification.from_pretrained(saved).eval()
+    tok = AutoTokenizer.from_pretrained(saved)
+    assert tok.pad_token_id == tok.eos_token_id == model.config.pad_token_id
+    cfg = json.loads((tmp_path / "rm" / "config.json").read_text())
+    rows = data.load_mixture(
+        data.make_default_path("preference_toy.jsonl"), None, "train", cfg["seed"], 400
+    )
+    _, held = data.split_train_eval(rows, None, cfg["eval_ratio"], cfg["seed"])
+    seqs = []
+    for row in held:
+        enc = data.tokenize_pair(tok, row["prompt"], row["chosen"], row["rejected"], cfg["max_len"])
+        seqs += [enc["chosen_ids"], enc["rejected_ids"]]
+    width = max(map(len, seqs))  # one right-padded batch, as a user would score
+    batch = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        scores = model(batch, attention_mask=(torch.arange(width) < torch.tensor(
+            [len(s) for s in seqs])[:, None]).long()).logits.double().view(-1, 2)  # fmt: skip
+    logged = metrics(tmp_path / "rm")[-1]
+    assert abs(scores.mean().item() - logged["eval_reward_mean"]) < 1e-4, logged
+    accuracy = (scores[:, 0] > scores[:, 1]).double().mean().item()
+    assert abs(accuracy - logged["eval_accuracy"]) < 1e-9, (accuracy, logged)
+
+
+@pytest.mark.slow
 def test_eval_split_of_the_training_dataset(tmp_path):
     """``--split train --eval-split test`` on a save_to_disk folder evaluates its test split
     (no --eval-dataset needed, nothing held out of train)."""

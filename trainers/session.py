@@ -160,7 +160,7 @@ class Session:
         try:
             rows, eval_rows = self._rows(keys, "training")
             train, dropped = tokenize(rows)
-            evals, _ = tokenize(eval_rows) if eval_rows is not None else ([], 0)
+            evals, eval_dropped = tokenize(eval_rows) if eval_rows is not None else ([], 0)
             if not train:
                 raise ValueError(f"no training sample fits --max-len {cfg.max_len}")
             problem = common.check_lengths(
@@ -172,8 +172,11 @@ class Session:
             self.optimizer_steps = self.total
         except (ValueError, KeyError, FileNotFoundError) as e:
             common.fail(str(e).strip("'\""))
-        if dropped:
-            self.print(f"dropped {dropped} samples whose prompt fills --max-len {cfg.max_len}")
+        if dropped or eval_dropped:
+            self.print(
+                f"dropped {dropped} training / {eval_dropped} eval samples whose prompt fills "
+                f"--max-len {cfg.max_len}"
+            )
         self.print(
             f"{len(train)} training / {len(evals)} eval samples, {self.total} steps of "
             f"{cfg.batch_size} samples on {self.layout.world} rank(s) "
