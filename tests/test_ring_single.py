@@ -180,6 +180,24 @@ def test_lse_is_differentiable(layout):
         )
 
 
+def test_nan_inputs_give_nan_on_fused_tiles_too():
+    """The fused CPU tile kernel wrote 0 for a query row with a NaN score; such blocks now take
+    the explicit math: the same NaN pattern, forward and backward, as with fused=False."""
+    plan = RingPlan.build(_cu(LENGTHS), 1)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(plan.local_len, 2, 8, generator=g) for _ in "qkv")
+    q[0, 0, 0] = k[5, 1, 3] = float("nan")
+    runs = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ring_varlen_attention(*leaves, plan, fused=fused)
+        out.backward(torch.ones_like(out))
+        runs.append([out.isnan()] + [t.grad.isnan() for t in leaves])
+    assert runs[0][0].any()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_empty_stream():
     plan = RingPlan.build(torch.tensor([0, 0], dtype=torch.int32), 1)
     x = torch.zeros(0, 2, 8, requires_grad=True)

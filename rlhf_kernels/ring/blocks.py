@@ -118,6 +118,12 @@ def _fused_causal(spec, ta, tb, mask):
     return None
 
 
+def _finite(*tensors) -> bool:
+    """No NaN/inf: the fused CPU kernel writes 0 for a row with NaN scores, so a block holding
+    one takes the explicit math, which gives NaN as plain attention does (CPU: no sync cost)."""
+    return all(bool(t.isfinite().all()) for t in tensors)
+
+
 def _expand_kv(x, g):
     """``(t, KVH, D)`` -> ``(1, H, t, D)`` with each kv head repeated for its ``g`` query heads."""
     x = x.transpose(0, 1)
@@ -146,10 +152,11 @@ def forward_block(spec, q, k, v, pairs, acc_o, acc_lse):
     q ``(Lq, H, D)``, k/v ``(Lk, KVH, D)``; acc_o ``(Lq, H, D)``, acc_lse ``(H, Lq)`` (views ok).
     """
     h, kvh = q.shape[1], k.shape[1]
+    finite = not spec.fused or _finite(q, k, v)
     for qs, ta, ks, tb, mask in pairs:
         kt = k[ks : ks + tb].to(q.dtype)
         vt = v[ks : ks + tb].to(q.dtype)
-        fused = _fused_causal(spec, ta, tb, mask)
+        fused = _fused_causal(spec, ta, tb, mask) if finite else None
         if fused is not None:
             o, lse = flash_cpu(
                 _rows(q, qs, ta),
@@ -176,10 +183,11 @@ def backward_block(spec, q, k, v, out, do, lse, delta, pairs, dq, dk, dv):
     h, kvh = q.shape[1], k.shape[1]
     g = h // kvh
     safe_lse = torch.where(torch.isinf(lse), 0.0, lse)
+    finite = not spec.fused or _finite(q, k, v, do)
     for qs, ta, ks, tb, mask in pairs:
         kt = k[ks : ks + tb].to(q.dtype)
         vt = v[ks : ks + tb].to(q.dtype)
-        fused = _fused_causal(spec, ta, tb, mask)
+        fused = _fused_causal(spec, ta, tb, mask) if finite else None
         if fused is not None:  # the kernel takes the final out/lse: exact per-block gradients
             gq, gk, gv = flash_cpu_backward(
                 _rows(do, qs, ta),
