@@ -474,6 +474,62 @@ def _case_distributed(rank, world):
     assert ids == [(s["prompt"], s["j"]) for s in everything]
 
 
+def _case_review_fixes(rank, world):
+    """From review: per-sample views, mixed APIs, pad_values, dtypes across micro-batches,
+    distributed_rollouts' prompt counts and timeout."""
+    out = {}
+    # a per-sample view (rewards[i]) travelled with its whole base tensor, once per sample
+    rewards = torch.randn(20_000)
+    samples = [{"input_ids": torch.ones(3, dtype=torch.long), "r": rewards[i]} for i in range(60)]
+    nbytes, n_batches = set(), 0
+    for _, _, meta in scatter_for_ring(
+        samples if rank == 0 else None, src=0, token_keys=["input_ids"], max_chunk_bytes=BUDGET
+    ):
+        n_batches += 1
+        nbytes |= {m["r"].untyped_storage().nbytes() for m in meta}
+    out["view_nbytes"], out["view_batches"] = nbytes, n_batches
+    # one rank in broadcast_chunked, the others in scatter_for_ring: the same error everywhere
+    with pytest.raises(ValueError, match="every rank must pass the same kind"):
+        if rank == 0:
+            list(broadcast_chunked([{"x": torch.ones(3)}], src=0))
+        else:
+            list(scatter_for_ring(None, src=0, token_keys=["x"]))
+    # a misspelt pad_values key on one rank: its own error there, every rank raises
+    toks = _token_samples(seed=3, n=4)
+    with pytest.raises(ValueError, match="not one of the token_keys|invalid arguments"):
+        list(
+            scatter_for_ring(
+                toks if rank == 0 else None, src=0, token_keys=["input_ids"],
+                pad_values={"input_id": -1} if rank == 1 else None,
+            )
+        )  # fmt: skip
+    # a fractional pad for an integer key: the source refuses before sending
+    with pytest.raises(ValueError if rank == 0 else RuntimeError, match="does not fit"):
+        list(
+            scatter_for_ring(
+                toks if rank == 0 else None, src=0, token_keys=["input_ids"],
+                pad_values={"input_ids": 2.7},
+            )
+        )  # fmt: skip
+    # int64 ids, then int32 ids in a later micro-batch
+    mixed = [{"input_ids": torch.ones(400, dtype=torch.long)} for _ in range(6)]
+    mixed += [{"input_ids": torch.ones(400, dtype=torch.int32)} for _ in range(6)]
+    with pytest.raises(ValueError if rank == 0 else RuntimeError, match="keep one dtype"):
+        list(
+            scatter_for_ring(
+                mixed if rank == 0 else None, src=0, token_keys=["input_ids"],
+                max_chunk_bytes=BUDGET,
+            )
+        )  # fmt: skip
+    # distributed_rollouts: prompt lists of different lengths lost a share silently
+    prompts = list(range(4 if rank == 0 else 6))
+    with pytest.raises(ValueError, match="same prompts"):
+        list(distributed_rollouts(prompts, _generate))
+    with pytest.raises(RuntimeError, match="timeout must be a number"):
+        list(distributed_rollouts([1, 2], _generate, timeout=-1 if rank == 1 else 30))
+    return out
+
+
 def _all_cases(rank, world):
     out = {}
     for case in (
@@ -489,6 +545,7 @@ def _all_cases(rank, world):
         _case_scatter_pad_values,
         _case_scatter_bad_sample,
         _case_distributed,
+        _case_review_fixes,
     ):
         out[case.__name__] = case(rank, world)
     return out
@@ -507,6 +564,8 @@ def test_three_ranks_all_cases():
         assert res[0][name] == res[1][name] == res[2][name], name
     assert res[0]["_case_scatter_bad_sample"] == list(range(8))
     assert sum(res[r]["_case_scatter_pad_values"] for r in range(3)) > 0  # pads were checked
+    for r in range(3):  # a per-sample view travels as one element (it was 80 kB each)
+        assert res[r]["_case_review_fixes"]["view_nbytes"] == {4}, res[r]["_case_review_fixes"]
     # each rank receives ~1/3 of the token bytes; together ~all of them (pads only)
     for key in res[0]["_case_scatter"]:
         full = res[0]["_case_scatter"][key][1]
@@ -588,3 +647,21 @@ def _rank_never_joins(rank, world):
 def test_handshake_honours_timeout(tmp_path):
     res = _spawn(_rank_never_joins, 2, tmp_path, clean_exit=False)
     assert res[0] < 4, res[0]
+
+
+def test_wait_names_a_dead_peer_instead_of_a_timeout():
+    """Every failed wait read "did not finish within ... (timeout)", also when a peer had died
+    0.2 s in."""
+    from rlhf_kernels.comm import _wire
+
+    class Work:
+        def __init__(self, message):
+            self.message = message
+
+        def wait(self, timeout=None):
+            raise RuntimeError(self.message)
+
+    with pytest.raises(RuntimeError, match=r"x failed \(.*closed by peer.*\): a rank left"):
+        _wire.wait(Work("Connection closed by peer [127.0.0.1]:1"), timedelta(seconds=5), "x")
+    with pytest.raises(RuntimeError, match="x did not finish within 0:00:05 .timeout."):
+        _wire.wait(Work("Timed out waiting 5000ms for recv"), timedelta(seconds=5), "x")

@@ -24,6 +24,7 @@ MIN_CHUNK_BYTES = 1024
 META_LIMIT = 16 << 20  # pickled metadata per micro-batch; tensors belong in tensors
 META_BUDGET = META_LIMIT // 2  # what micro_batches lets the per-sample estimates add up to
 MESSAGE_BYTES = 512  # error text carried by a status all-gather (truncated)
+HANDSHAKE_FIELDS = 8  # fields per handshake row (unused ones are 0)
 
 # control word: [MAGIC, status, n_samples, payload_bytes, meta_bytes, seq]
 BATCH, END, ERROR, ABORT = 0, 1, 2, 3
@@ -75,9 +76,13 @@ def wait(work, timeout: timedelta | None, what: str, poll: bool = False) -> None
         else:
             work.wait(timeout)
     except RuntimeError as exc:
-        raise RuntimeError(
-            f"{what} did not finish within {timeout} (timeout): a rank stalled, failed or "
-            "never joined; the group is unusable now"
+        if "deadline passed" in str(exc) or "timed out" in str(exc).lower():
+            raise RuntimeError(
+                f"{what} did not finish within {timeout} (timeout): a rank stalled, failed or "
+                "never joined; the group is unusable now"
+            ) from exc
+        raise RuntimeError(  # a peer died or closed its connection: say so, not "timeout"
+            f"{what} failed ({exc}): a rank left or crashed; the group is unusable now"
         ) from exc
 
 
@@ -104,9 +109,13 @@ def handshake(
     None) bounds the wait for ranks that never join. A ``str`` field travels as its CRC; on a
     mismatch the texts themselves are gathered so the error shows every rank's value."""
     names = list(fields)
+    if len(names) > HANDSHAKE_FIELDS:
+        raise ValueError(f"{who}: at most {HANDSHAKE_FIELDS} handshake fields, got {names}")
+    values = [fingerprint(v) if isinstance(v, str) else v for v in fields.values()]
+    # one row length for every caller, so ranks in different functions (a mismatched "kind")
+    # get the error below instead of a collective of mismatched sizes
     rows = all_gather_rows(
-        [MAGIC, int(local_error is None)]
-        + [fingerprint(v) if isinstance(v, str) else v for v in fields.values()],
+        [MAGIC, int(local_error is None)] + values + [0] * (HANDSHAKE_FIELDS - len(values)),
         group=group,
         device=device,
         timeout=timeout,

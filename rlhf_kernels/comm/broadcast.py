@@ -23,7 +23,7 @@ handshake) or by ``init_process_group(timeout=...)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -318,7 +318,9 @@ def scatter_for_ring(
         pad_values: the value of each key at the shard's pad slots (``plan.valid_mask(rank)`` is
             False there). Default: ``-100`` (the ignore index of the log-prob ops and losses)
             for signed integer keys whose name contains ``"label"`` or ``"target"``, 0 for every
-            other key (bool and uint8 masks included); entries given here override that.
+            other key (bool and uint8 masks included); entries given here override that. Keys
+            must be token keys and values numbers that fit the key's dtype (an integer for
+            integer keys), the same on every rank.
 
     Yields:
         ``(plan, local_tensors, meta)`` on every rank: ``plan`` the micro-batch's ``RingPlan``
@@ -338,6 +340,8 @@ def scatter_for_ring(
     name = "scatter_for_ring"
     rank, world = _group_rank(name, group)
     token_keys, error = _keys_error(name, token_keys, layout)
+    pad_values, pad_error = _pad_values(name, pad_values, token_keys)
+    error = error or pad_error
     error = error or _common_error(name, world, src, max_chunk_bytes, timeout)
     error = error or _samples_error(name, rank, src, samples)
     fields = {
@@ -347,13 +351,33 @@ def scatter_for_ring(
         "token_keys": repr(token_keys),
         "layout": LAYOUTS.index(layout) if layout in LAYOUTS else -1,
         "allow_early_stop": int(bool(allow_early_stop)),
+        "pad_values": repr(sorted(pad_values.items())),
     }
     if error is not None:
         _refuse(name, error, fields, group, timeout)
     side = _scatter_side
     args = (samples, rank, world, token_keys, layout, max_chunk_bytes, bool(allow_early_stop))
-    stream = _stream_gen(name, fields, src, group, timeout, side, *args)
-    return _with_pad_values(stream, rank, dict(pad_values or {}))
+    stream = _stream_gen(name, fields, src, group, timeout, side, *args, pad_values)
+    return _with_pad_values(stream, rank, pad_values)
+
+
+def _pad_values(name: str, pad_values, token_keys) -> tuple[dict, Exception | None]:
+    """``pad_values`` as a dict, and the error if it is not token key -> number."""
+    if pad_values is None:
+        return {}, None
+    if not isinstance(pad_values, Mapping):
+        return {}, TypeError(f"{name}: pad_values must be a dict, got {type(pad_values).__name__}")
+    for key, value in pad_values.items():
+        if key not in token_keys:
+            return {}, ValueError(
+                f"{name}: pad_values key {key!r} is not one of the token_keys {token_keys}"
+            )
+        if not isinstance(value, (bool, int, float)):
+            return {}, TypeError(
+                f"{name}: pad_values[{key!r}] must be a number, got {type(value).__name__} "
+                f"{value!r}"
+            )
+    return dict(pad_values), None
 
 
 def pad_value(key: str, dtype: torch.dtype, pad_values: dict) -> float:
@@ -408,6 +432,26 @@ def _token_budget(token_keys):
 _VIEW_MIN_RUN = 256
 
 
+def _check_specs(name: str, specs: list, first: list, pad_values: dict) -> None:
+    """On the source, before a micro-batch is sent: its keys' dtypes and trailing shapes match
+    the first micro-batch's, and each pad value fits its key's dtype."""
+    if not first:
+        first.extend(specs)
+        for key, dtype, _ in specs:
+            value = pad_values.get(key)
+            if value is None or dtype.is_floating_point or dtype.is_complex:
+                continue
+            if value != int(value) or (dtype == torch.bool and value not in (0, 1)):
+                raise ValueError(
+                    f"{name}: pad_values[{key!r}]={value!r} does not fit {key!r}'s {dtype}"
+                )
+    elif specs != first:
+        raise ValueError(
+            f"{name}: every sample's token keys must keep one dtype and trailing shape, got "
+            f"{specs} after {first} (key, dtype, trailing shape)"
+        )
+
+
 def _token_specs(batch: list[Sample], token_keys) -> tuple[list[int], list]:
     """cu_seqlens and per-key (key, dtype, rest) of one micro-batch (checked against sample 0)."""
     first = batch[0]
@@ -447,24 +491,34 @@ def _views_worth_it(plan: RingPlan, num_samples: int) -> bool:
 
 
 def _meta_of(sample: Sample, token_keys) -> dict:
-    return {
-        k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-        for k, v in sample.items()
-        if k not in token_keys
-    }
+    return {k: _own(v) for k, v in sample.items() if k not in token_keys}
+
+
+def _own(v):
+    """A per-sample tensor on the CPU with a storage of its own size: pickling a view (say
+    ``rewards[i]``) writes its whole base, once per sample."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    t = v.detach().cpu()
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _scatter_side(
-    name, header, device, samples, rank, world, token_keys, layout, max_chunk, allow_early_stop
-):
+    name, header, device, samples, rank, world, token_keys, layout, max_chunk, allow_early_stop,
+    pad_values,
+):  # fmt: skip
     # a rank's shard is ~1/world of a micro-batch: transfers (and staging buffers) of that size
     piece = _stream.piece_size(max(max_chunk // world, _wire.MIN_CHUNK_BYTES))
     group, src = header.group, header.src
     if samples is not None:  # the source
         sender = _stream.Sender(piece, device)
+        first = []  # the first micro-batch's specs: every later one must match them
 
         def prepare(batch):
             cu, specs = _token_specs(batch, token_keys)
+            _check_specs(name, specs, first, pad_values)
             plan = RingPlan.build(cu, world, layout)
             meta = [_meta_of(s, token_keys) for s in batch]
             desc = {"cu": cu, "specs": specs, "meta": meta, "local_len": plan.local_len}

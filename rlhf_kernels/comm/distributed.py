@@ -59,17 +59,23 @@ def distributed_rollouts(
     early stop).
 
     Raises:
-        RuntimeError on every rank if ``generate`` raised on any rank (the message names the
-        failing ranks and their errors; the failing rank chains its original exception), or
-        when ``timeout`` passes; what the streams raise.
+        RuntimeError on every rank if ``generate`` raised on any rank, or a rank was given a bad
+        ``timeout`` (the message names the failing ranks and their errors; the failing rank
+        chains its original exception), or when ``timeout`` passes; ValueError on every rank if
+        the ranks were given different numbers of prompts; what the streams raise.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error, mine = None, None
     try:
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        ):
+            bad, timeout = timeout, None  # this rank's exchange waits as long as the group's
+            raise ValueError(f"timeout must be a number of seconds > 0 or None, got {bad!r}")
         mine = list(generate(local_share(prompts, rank, world)))
     except Exception as exc:  # every rank must hear of it, or the others wait forever
         error = exc
-    _exchange_status(error, group, timeout)
+    _exchange_status(error, len(prompts), group, timeout)
     for owner in range(world):
         samples = _consume(mine) if rank == owner else None
         if token_keys is None:
@@ -89,22 +95,30 @@ def distributed_rollouts(
         yield from stream
 
 
-def _exchange_status(error: Exception | None, group, timeout: float | None) -> None:
-    """All-gather an ok flag and error text per rank; raise on every rank if any failed."""
+def _exchange_status(error: Exception | None, n_prompts: int, group, timeout: float | None) -> None:
+    """All-gather an ok flag, the prompt count and error text per rank; raise on every rank if
+    any failed or the ranks were given different numbers of prompts (shares would be lost)."""
     text = "" if error is None else f"{type(error).__name__}: {error}"
     rows = _wire.all_gather_rows(
-        [int(error is None), *_wire.encode_message(text)],
+        [int(error is None), n_prompts, *_wire.encode_message(text)],
         group=group,
         device=_wire.comm_device(group),
         timeout=None if timeout is None else timedelta(seconds=timeout),
         what="distributed_rollouts: the status exchange after generate",
     )
-    failed = {r: _wire.decode_message(row[1:]) for r, row in enumerate(rows) if row[0] != 1}
+    failed = {r: _wire.decode_message(row[2:]) for r, row in enumerate(rows) if row[0] != 1}
     if failed:
         lines = "; ".join(f"rank {r}: {msg}" for r, msg in failed.items())
         raise RuntimeError(
-            f"distributed_rollouts: generate raised on rank(s) {sorted(failed)}: {lines}"
+            f"distributed_rollouts: generate (or the arguments) failed on rank(s) "
+            f"{sorted(failed)}: {lines}"
         ) from error
+    counts = [row[1] for row in rows]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            "distributed_rollouts: every rank must pass the same prompts, got "
+            f"{dict(enumerate(counts))} prompts (rank: count)"
+        )
 
 
 def _consume(items: list) -> Iterator:
