@@ -1,7 +1,7 @@
 // Fused GAE and discounted returns: one pass per sequence, no intermediate tensors.
 //
 // For each sequence (a row of a padded (B, T) input, or a run [cu[s], cu[s + 1]) of a packed
-// (N,) input), with m the mask (1 when absent), r = rewards * m, v = values * m and v[end] = 0:
+// (N,) input), with m the mask (1 when absent), r = rewards where m else 0, likewise v, v[end] = 0:
 //
 //   delta[t] = r[t] + gamma * v[t + 1] - v[t]
 //   adv[t]   = delta[t] + gamma * lam * adv[t + 1],   adv[end] = 0
@@ -165,9 +165,10 @@ void forward_rows(const scalar_t* __restrict__ r, const scalar_t* __restrict__ v
       acc_t rt = static_cast<acc_t>(r[t]);
       acc_t vt = kValues ? static_cast<acc_t>(v[t]) : acc_t(0);
       if constexpr (kHasMask<mask_t>) {
-        const acc_t mt = mask_at<mask_t, acc_t>(m, t);
-        rt = rt * mt;
-        if (kValues) vt = vt * mt;
+        // select, not multiply: junk (NaN, inf) at a masked token must not leak (NaN * 0 = NaN)
+        const bool keep = mask_at<mask_t, acc_t>(m, t) != acc_t(0);
+        rt = keep ? rt : acc_t(0);
+        if (kValues) vt = keep ? vt : acc_t(0);
       }
       acc_t delta = rt;
       if (kValues) delta = (rt + g * v_next[k]) - vt;

@@ -118,7 +118,9 @@ __global__ void fused_forward_kernel(const scalar_t* __restrict__ r,
     // the value after this thread's tokens (0 after the sequence's last token)
     acc_t v_next = 0;
     if (kValues && base + kItems < bd.hi && base + kItems >= bd.lo) {
-      v_next = static_cast<acc_t>(v[base + kItems]) * mask_at<mask_t, acc_t>(m, base + kItems);
+      v_next = mask_at<mask_t, acc_t>(m, base + kItems) != acc_t(0)
+                   ? static_cast<acc_t>(v[base + kItems])
+                   : acc_t(0);
     }
     acc_t a = 0, b = 1;
 #pragma unroll
@@ -129,9 +131,10 @@ __global__ void fused_forward_kernel(const scalar_t* __restrict__ r,
         acc_t rt = static_cast<acc_t>(r[t]);
         acc_t vt = kValues ? static_cast<acc_t>(v[t]) : acc_t(0);
         if constexpr (kHasMask<mask_t>) {
-          const acc_t mt = mask_at<mask_t, acc_t>(m, t);
-          rt = rt * mt;
-          if (kValues) vt = vt * mt;
+          // select, not multiply: junk (NaN, inf) at a masked token must not leak
+          const bool keep = mask_at<mask_t, acc_t>(m, t) != acc_t(0);
+          rt = keep ? rt : acc_t(0);
+          if (kValues) vt = keep ? vt : acc_t(0);
         }
         x[j] = kValues ? (rt + g * v_next) - vt : rt;
         vm[j] = vt;

@@ -10,8 +10,11 @@ def _ref_group(r, G, est, eps=1e-6):
     """Per-element Python reference in float64."""
     out = []
     vals = r.tolist()
-    all_mean = sum(vals) / len(vals)
-    batch_std = math.sqrt(sum((v - all_mean) ** 2 for v in vals) / (len(vals) - 1))
+    centred = [
+        v - sum(vals[g : g + G]) / G for g in range(0, len(vals), G) for v in vals[g : g + G]
+    ]
+    c_mean = sum(centred) / len(centred)  # 0 up to rounding
+    batch_std = math.sqrt(sum((c - c_mean) ** 2 for c in centred) / (len(centred) - 1))
     for g0 in range(0, len(vals), G):
         grp = vals[g0 : g0 + G]
         mean = sum(grp) / G
@@ -42,6 +45,15 @@ def test_group_advantages_gradient():
     r = torch.randn(12, dtype=torch.float64, requires_grad=True)
     for est in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
         assert torch.autograd.gradcheck(lambda x, e=est: group_advantages(x, 4, e), (r,))
+
+
+def test_reinforce_baseline_std_is_over_centred_rewards():
+    """Rewards [0, 1, 10, 11] in groups of 2: the raw std (5.8) also counted the spread between
+    prompts and gave +-0.086; the centred rewards' std gives +-0.866 (OpenRLHF, verl)."""
+    adv = group_advantages(torch.tensor([0.0, 1.0, 10.0, 11.0]), 2, "reinforce_baseline")
+    torch.testing.assert_close(
+        adv, torch.tensor([-1.0, 1.0, -1.0, 1.0]) * 0.5 / 0.57735, atol=1e-4, rtol=0
+    )
 
 
 def test_rloo_equals_scaled_dr_grpo():
@@ -89,3 +101,27 @@ def test_whiten_bad_input():
         whiten(torch.randn(3, 4), torch.ones(3, 5))
     with pytest.raises(TypeError, match="x must be a float tensor"):
         whiten(torch.ones(3, dtype=torch.long))
+
+
+def test_whiten_needs_two_selected_entries():
+    """0 or 1 selected entries returned x * 1e4 (the variance was 0 + eps)."""
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    for mask in ([[0, 0, 0]], [[0, 1, 0]]):
+        with pytest.raises(ValueError, match="at least 2 selected entries"):
+            whiten(x, torch.tensor(mask))
+    nan = torch.tensor([[1.0, 2.0, 3.0, float("nan")]])
+    out = whiten(nan, torch.tensor([[1, 1, 1, 0]]))
+    torch.testing.assert_close(out[0, :3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-4, rtol=0)
+
+
+def test_scalar_arguments_checked():
+    import numpy as np
+
+    from rlhf_kernels import gae
+
+    r = torch.randn(8)
+    torch.testing.assert_close(group_advantages(r, np.int64(4)), group_advantages(r, 4))
+    with pytest.raises(ValueError, match="group_size must be a positive int, got True"):
+        group_advantages(r, True)
+    with pytest.raises(TypeError, match="gamma must be a finite number, got str"):
+        gae(r, r, gamma="0.9", lam=0.9, cu_seqlens=[0, 8])

@@ -450,3 +450,18 @@ def test_fused_cuda_matches_cpu():
     a_c, _ = ops.fused_gae(rb, vb, mask.bool(), None, 0.99, 0.95)
     a_g, _ = gae(rb.cuda(), vb.cuda(), gamma=0.99, lam=0.95, mask=mask.bool().cuda())
     torch.testing.assert_close(a_g.cpu().float(), a_c.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_junk_at_masked_tokens_stays_out(backend):
+    """NaN / inf at pads (torch.empty buffers) made every valid advantage NaN (NaN * 0)."""
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    r = torch.tensor([[0.0, 0.0, 1.0, 0.0, float("nan")]])
+    v = torch.tensor([[0.1, 0.2, 0.3, float("inf"), 0.0]])
+    adv, ret = gae(r, v, gamma=1.0, lam=1.0, mask=mask, backend=backend)
+    torch.testing.assert_close(adv[0, :3], torch.tensor([0.9, 0.8, 0.7]))
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    g = discounted_returns(r, gamma=1.0, mask=mask, backend=backend)
+    assert g[0].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    ref_adv, _ = loop_gae(r, v, mask, 1.0, 1.0)
+    torch.testing.assert_close(ref_adv, adv)

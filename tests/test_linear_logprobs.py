@@ -116,7 +116,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"labels must have hidden's leading shape \(67,\)"):
         linear_logprobs(h, w, labels[:5])
     with pytest.raises(TypeError, match="weight dtype must equal"):
-        linear_logprobs(h, w.double(), labels)
+        linear_logprobs(h, w.half(), labels)
+    with pytest.raises(TypeError, match="float64: linear_logprobs_reference"):  # was fp32
+        linear_logprobs(h.double(), w.double(), labels)
     with pytest.raises(ValueError, match="bias must be"):
         linear_logprobs(h, w, labels, b[:7])
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 1003\)"):
@@ -125,7 +127,7 @@ def test_bad_input():
         linear_logprobs(h[None], w, labels)  # padded hidden needs padded labels
     with pytest.raises(ValueError, match=r"hidden must be packed \(T, H\) or padded"):
         linear_logprobs(h[0], w, labels)
-    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="chunk_tokens must be None or an int >= 1"):
         linear_logprobs(h, w, labels, chunk_tokens=0)
     with pytest.raises(ValueError, match="mask must have labels' shape"):
         linear_nll_loss(h, w, labels, torch.ones(3))

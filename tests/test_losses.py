@@ -275,3 +275,39 @@ def test_ppo_token_grad_closed_form_equals_autograd(dual):
     _ppo_token_loss(lp, old, adv, lo, hi, dual)[0].sum().backward()
     got = _ppo_token_grad(logp, old, adv, lo, hi, dual)
     torch.testing.assert_close(got, lp.grad, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_overflowing_ratio_of_a_clipped_token_gives_zero_gradient(dtype):
+    """exp(logp - old) past the dtype's range (fp32 88.7, fp16 11.1): the token is clipped, its
+    gradient was 0 * inf = NaN and poisoned the batch; the loss now runs in fp32 with the
+    ratio capped at exp(MAX_LOG_RATIO)."""
+    from rlhf_kernels import linear_logprobs, linear_policy_loss
+
+    big = 100.0 if dtype == torch.float32 else 12.0
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    for dual in (None, 3.0):
+        lp = torch.tensor([-1.0, -1.0, -1.0], dtype=dtype, requires_grad=True)
+        old = torch.tensor([-1.0 - big, -1.1, -1.1], dtype=dtype)
+        loss = policy_loss(lp, old, adv.to(dtype), cu_seqlens=[0, 3], dual_clip=dual)
+        (g,) = torch.autograd.grad(loss, lp)
+        assert loss.dtype == dtype and torch.isfinite(g).all(), g
+        assert g[0] == 0 and abs(float(g[1]) + 0.3684) < 1e-3, g
+    h = torch.randn(3, 8, requires_grad=True)
+    w, lab = torch.randn(16, 8), torch.randint(0, 16, (3,))
+    old = linear_logprobs(h.detach(), w, lab) - torch.tensor([100.0, 0.1, 0.1])
+    linear_policy_loss(h, w, lab, old, adv).backward()
+    assert torch.isfinite(h.grad).all()
+
+
+def test_junk_at_masked_tokens_stays_out():
+    """NaN / inf at masked positions (torch.empty pads) leaked through x * mask (NaN * 0)."""
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    lp = torch.zeros(1, 5, requires_grad=True)
+    old, adv = torch.zeros(1, 5), torch.ones(1, 5)
+    old[0, 4] = float("nan")
+    loss = policy_loss(lp, old, adv, mask)
+    loss.backward()
+    assert loss.item() == -1.0 and torch.isfinite(lp.grad).all()
+    ret = adv.masked_fill(mask == 0, float("inf"))
+    assert value_loss(lp, old, ret, mask).item() == 0.5

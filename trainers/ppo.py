@@ -408,9 +408,9 @@ def advantages(samples: list[Sample], cfg: PPOConfig, layout: Layout, repeats: i
     kl = kl_penalty(old, torch.cat([s.ref_logp for s in samples]), cfg.kl_estimator)
     cu = common_cu([s.n_act for s in samples])
     scalar = torch.tensor([s.reward for s in samples])
-    if cfg.advantage_estimator == "reinforce_baseline":  # the std over the global batch
-        std = global_moments(scalar, layout, repeats)[1] ** 0.5
-        scalar = group_advantages(scalar, cfg.n_samples_per_prompt, "dr_grpo") / (std + 1e-6)
+    if cfg.advantage_estimator == "reinforce_baseline":  # centred, / the global batch's std
+        scalar = group_advantages(scalar, cfg.n_samples_per_prompt, "dr_grpo")
+        scalar = scalar / (global_moments(scalar, layout, repeats)[1] ** 0.5 + 1e-6)
     elif cfg.advantage_estimator in GROUP_ESTIMATORS:
         scalar = group_advantages(scalar, cfg.n_samples_per_prompt, cfg.advantage_estimator)
     tok_r = torch.zeros_like(old)

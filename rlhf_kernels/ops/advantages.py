@@ -7,12 +7,16 @@
 - ``"dr_grpo"``: ``r - mean_g`` (Dr. GRPO: no std scaling).
 - ``"rloo"``: ``r - (sum_g - r) / (G - 1)`` (leave-one-out baseline).
 - ``"reinforce_baseline"``: ``(r - mean_g) / (std_batch + eps)`` (REINFORCE++-baseline: group
-  mean baseline, then one std over the whole batch).
+  mean baseline, then one std over the whole batch of the centred rewards, as OpenRLHF's and
+  verl's whitening of the centred scores; the raw rewards' std would also count the spread
+  between prompts).
 
 All math is vectorised over groups: ``(N,) -> (N / G, G)``.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -43,8 +47,13 @@ def group_advantages(
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    if not isinstance(group_size, int) or group_size < 1:
+    try:  # int or numpy int; not a bool
+        size = None if isinstance(group_size, bool) else operator.index(group_size)
+    except TypeError:
+        size = None
+    if size is None or size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    group_size = size
     if rewards.numel() % group_size:
         raise ValueError(
             f"the reward count {rewards.numel()} is not a multiple of group_size={group_size}"
@@ -59,7 +68,7 @@ def group_advantages(
         return centred.view(-1)
     if estimator == "grpo":
         return (centred / (r.std(1, keepdim=True) + eps)).view(-1)
-    std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    std = centred.std() if centred.numel() > 1 else centred.new_zeros(())
     return (centred / (std + eps)).view(-1)  # reinforce_baseline
 
 
@@ -75,7 +84,8 @@ def whiten(
     Args:
         x: float tensor of any shape (e.g. per-token advantages ``(B, T)`` or packed ``(N,)``).
         mask: x's shape, 0/1 (bool or numeric); statistics use only the selected entries
-            (default: all). Unselected entries are transformed the same way (callers mask them).
+            (default: all; at least 2), whatever the others hold. Unselected entries are
+            transformed the same way (callers mask them).
         shift_only: subtract the masked mean but do not divide by the std.
         eps: added to the (unbiased) masked variance.
     Returns: x's shape and dtype.
@@ -89,9 +99,12 @@ def whiten(
             raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
         m = check_mask(mask).to(x.dtype)
     n = m.sum()
-    mean = (x * m).sum() / n.clamp_min(1)
+    if not torch.compiler.is_compiling() and n < 2:  # one host read
+        raise ValueError(f"whiten needs at least 2 selected entries, got {int(n)}")
+    keep = m != 0  # junk (NaN) at unselected entries stays out of the statistics
+    mean = torch.where(keep, x, 0).sum() / n
     centred = x - mean
     if shift_only:
         return centred
-    var = (centred.square() * m).sum() / (n - 1).clamp_min(1)  # unbiased
+    var = torch.where(keep, centred.square(), 0).sum() / (n - 1)  # unbiased
     return centred * torch.rsqrt(var + eps)

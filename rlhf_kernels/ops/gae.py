@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
+import numbers
 
 import torch
 
@@ -201,7 +203,7 @@ def gae_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The classic reversed-time loop (OpenRLHF-style) on padded ``(B, T)``: the ground truth
     of ``gae`` in tests and the baseline in benchmarks. Returns ``(advantages, returns)``."""
-    values, rewards = values * mask, rewards * mask
+    values, rewards = torch.where(mask != 0, values, 0), torch.where(mask != 0, rewards, 0)
     T = rewards.shape[1]
     last = torch.zeros_like(rewards[:, 0])
     adv = []
@@ -218,7 +220,7 @@ def discounted_returns_reference(
     rewards: torch.Tensor, mask: torch.Tensor, gamma: float
 ) -> torch.Tensor:
     """Reversed-time loop for REINFORCE returns on padded ``(B, T)``."""
-    rewards = rewards * mask
+    rewards = torch.where(mask != 0, rewards, 0)
     g = torch.zeros_like(rewards[:, 0])
     out = []
     for t in reversed(range(rewards.shape[1])):
@@ -320,6 +322,12 @@ def reverse_scan(x: torch.Tensor, coef: torch.Tensor, backend: str = "auto") -> 
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 
+def _check_scalars(**scalars) -> None:
+    for name, x in scalars.items():
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+            raise TypeError(f"{name} must be a finite number, got {type(x).__name__} {x!r}")
+
+
 def _validate(name_tensors, cu_seqlens, mask, backend):
     """Every input check, before any work; returns ``(cu, mask)``: the validated ``cu_seqlens``
     list (None; under torch.compile the tensor) and the mask to use (``check_mask``'s)."""
@@ -392,8 +400,11 @@ def _prepare(name_tensors, cu, mask):
     work = work if work in _SCAN_DTYPES else torch.float32  # (half types computed in float32)
     ts = [t.to(work).reshape(is_last.shape) for _, t in name_tensors]
     if mask is not None:
-        m = mask.reshape(is_last.shape).to(work)
-        ts = [t * m for t in ts]
+        m = mask.reshape(is_last.shape)
+        if m.requires_grad:  # a mask that wants a gradient: the product it differentiates
+            ts = [t * m.to(work) for t in ts]
+        else:  # a select, not t * m: junk (NaN, inf) at masked tokens stays out
+            ts = [torch.where(m != 0, t, 0) for t in ts]
     return ts, is_last, t0.shape, out_dtype
 
 
@@ -434,6 +445,7 @@ def gae(
     """
     cu_seqlens = as_cu_seqlens(cu_seqlens, getattr(rewards, "device", None))
     tensors = [("rewards", rewards), ("values", values)]
+    _check_scalars(gamma=gamma, lam=lam)
     cu, mask = _validate(tensors, cu_seqlens, mask, backend)
     if _use_fused("fused_gae", backend, (rewards, values), mask, cu_seqlens):
         adv, ret = torch.ops.rlhf_kernels.fused_gae(
@@ -464,6 +476,7 @@ def discounted_returns(
     """
     cu_seqlens = as_cu_seqlens(cu_seqlens, getattr(rewards, "device", None))
     tensors = [("rewards", rewards)]
+    _check_scalars(gamma=gamma)
     cu, mask = _validate(tensors, cu_seqlens, mask, backend)
     if _use_fused("fused_returns", backend, (rewards,), mask, cu_seqlens):
         return torch.ops.rlhf_kernels.fused_returns(rewards, mask, cu_seqlens, float(gamma))

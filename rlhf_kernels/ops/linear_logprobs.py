@@ -649,13 +649,18 @@ def _positive_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x > 0
 
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _check(
     hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index, softcap
 ):
     for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
             raise TypeError(
-                f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+                f"{name} must be a float32/float16/bfloat16 tensor (the blocks compute in fp32; "
+                f"float64: linear_logprobs_reference), got "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
             )
     if hidden.dim() < 2:
         raise ValueError(
@@ -682,13 +687,13 @@ def _check(
     devices = {t.device for t in (hidden, weight, labels, bias) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"hidden, weight, labels, bias must share a device, got {devices}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not _positive_number(temperature):
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if softcap is not None and not _positive_number(softcap):
         raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
-        if c is not None and c < 1:
-            raise ValueError(f"{name} must be >= 1, got {c}")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {c!r}")
     if torch.compiler.is_compiling():
         return  # traced: mask_labels' custom op checks the label range at run time
     check_label_range(labels, weight.shape[0], ignore_index, CHECK_LABELS_ON_CUDA)

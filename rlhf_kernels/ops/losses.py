@@ -35,7 +35,7 @@ def kl_penalty(
         estimator: ``"k1"`` ``logp - ref``; ``"k2"`` ``0.5 (logp - ref)^2``;
             ``"k3"`` ``exp(ref - logp) - 1 - (ref - logp)`` (unbiased, non-negative).
         clamp: if given (> 0), the estimate is clamped to ``[-clamp, clamp]``.
-    Returns: logp's shape and dtype.
+    Returns: logp's shape, in the promoted dtype of logp and ref_logp.
     """
     _check_float(logp=logp, ref_logp=ref_logp)
     if ref_logp.shape != logp.shape:
@@ -57,6 +57,12 @@ def kl_penalty(
             x = x.clamp(max=math.log1p(clamp) + 1.0)  # on, so values and gradients are unchanged
         kl = torch.expm1(x) - x
     return kl if clamp is None else kl.clamp(-clamp, clamp)
+
+
+def _masked(t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``t`` with 0 where ``m`` is 0 (a where, not a product: NaN * 0 is NaN, and so would be
+    the gradient reaching a masked NaN)."""
+    return torch.where(m != 0, t, 0)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -156,10 +162,21 @@ def _token_weights(m, seq, n_seq, aggregation, norm_length=None):
     return (m / (per_token * n_live)).to(m.dtype)  # seq-mean-token-mean
 
 
+# exp of a larger log-ratio overflows fp32 (at 88.7): the ratio stops at e^80, so a token
+# clipped there gets gradient 0, not 0 * inf = NaN (the loss is computed in fp32 at least)
+MAX_LOG_RATIO = 80.0
+
+
+def _ratio(logp, old_logp, advantages):
+    """``(ratio, log_ratio, advantages)`` in fp32 (fp64 for fp64 inputs), the ratio capped."""
+    cdt = torch.promote_types(logp.dtype, torch.float32)
+    log_ratio = logp.to(cdt) - old_logp.to(cdt)
+    return torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO)), log_ratio, advantages.to(cdt)
+
+
 def _ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
-    """Per-token PPO loss and its pieces: (loss, unclipped, clipped, ratio, log_ratio)."""
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
+    """Per-token PPO loss and its pieces: (loss, unclipped, clipped, ratio, log_ratio), fp32."""
+    ratio, log_ratio, advantages = _ratio(logp, old_logp, advantages)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -173,14 +190,15 @@ def _ppo_token_grad(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
     """``d _ppo_token_loss / d logp`` in closed form, as autograd forms it: ``torch.maximum`` /
     ``torch.minimum`` split a tie's gradient in half, ``clamp`` passes it at its bounds. For the
     fused losses, whose gradients are made where autograd records nothing (a custom op)."""
-    ratio = torch.exp(logp - old_logp)
+    ratio, log_ratio, advantages = _ratio(logp, old_logp, advantages)
+    capped = (log_ratio > MAX_LOG_RATIO).to(ratio.dtype)  # the clamp passes no gradient there
     unclipped = -advantages * ratio  # also its own derivative in logp
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     inside = (ratio >= 1 - clip_low) & (ratio <= 1 + clip_high)
     tie = (unclipped == clipped).to(ratio.dtype) * 0.5
     to_u = (unclipped > clipped).to(ratio.dtype) + tie
     to_c = ((clipped > unclipped).to(ratio.dtype) + tie) * inside
-    grad = unclipped * (to_u + to_c)
+    grad = unclipped * (to_u + to_c) * (1 - capped)
     if dual_clip is not None:
         loss, cap = torch.maximum(unclipped, clipped), -advantages * dual_clip
         keep = (loss < cap).to(ratio.dtype) + (loss == cap).to(ratio.dtype) * 0.5
@@ -256,10 +274,12 @@ def policy_loss(
         "logp", logp, mask, cu_seqlens, aggregation, old_logp=old_logp, advantages=advantages
     )
     wt = _token_weights(m, seq, n_seq, aggregation, norm_length)
+    if mask is not None:  # junk (NaN, inf) at masked tokens must not reach the loss or grads
+        logp, old_logp, advantages = (_masked(t, m) for t in (logp, old_logp, advantages))
     loss, unclipped, clipped, ratio, log_ratio = _ppo_token_loss(
         logp, old_logp, advantages, clip_low, clip_high, dual_clip
     )
-    out = (loss * wt).sum()
+    out = (loss * wt).sum().to(logp.dtype)
     if not return_stats:
         return out
     with torch.no_grad():
@@ -303,6 +323,8 @@ def value_loss(
     m, _, _ = _token_layout(
         "values", values, mask, cu_seqlens, old_values=old_values, returns=returns
     )
+    if mask is not None:  # junk (NaN, inf) at masked tokens must not reach the loss or grads
+        values, old_values, returns = (_masked(t, m) for t in (values, old_values, returns))
     err = (values - returns).square()
     if clip is not None:
         v_clip = old_values + (values - old_values).clamp(-clip, clip)
