@@ -649,18 +649,13 @@ def _positive_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x > 0
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _check(
     hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index, softcap
 ):
     for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(
-                f"{name} must be a float32/float16/bfloat16 tensor (the blocks compute in fp32; "
-                f"float64: linear_logprobs_reference), got "
-                f"{getattr(t, 'dtype', type(t).__name__)}"
+                f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}"
             )
     if hidden.dim() < 2:
         raise ValueError(
@@ -716,7 +711,9 @@ def linear_logprobs(
 
     Args:
         hidden: packed ``(T, H)`` or padded ``(B, T, H)`` (any leading shape ``(..., H)``)
-            float32/bfloat16/float16 final hidden states (differentiable).
+            float32/bfloat16/float16 final hidden states (differentiable); float64 is accepted
+            but computed in fp32 like the rest (fp32 results; for a float64 ground truth use
+            ``linear_logprobs_reference``).
         weight: ``(V, H)`` lm_head weight, hidden's dtype (differentiable).
         labels: int64, hidden's leading shape (``(T,)`` or ``(B, T)``): target token ids in
             ``[0, V)`` or ``ignore_index`` (checked on CPU; on CUDA, where the check is a host
