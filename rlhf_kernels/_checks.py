@@ -97,6 +97,12 @@ def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(seq, lens, output_size=total)
 
 
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """No NaN/inf in any of ``tensors`` (one host read each: meant for CPU tensors). The fused
+    CPU attention kernel writes 0 for a row with NaN scores; callers skip it when this fails."""
+    return all(bool(t.isfinite().all()) for t in tensors)
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:

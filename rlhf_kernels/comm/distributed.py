@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _wire
-from .broadcast import broadcast_chunked, scatter_for_ring
+from .broadcast import _timeout_ok, broadcast_chunked, scatter_for_ring
 
 
 def local_share(items: Sequence, rank: int, world_size: int) -> Sequence:
@@ -67,9 +67,7 @@ def distributed_rollouts(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error, mine = None, None
     try:
-        if timeout is not None and not (
-            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-        ):
+        if not _timeout_ok(timeout):
             bad, timeout = timeout, None  # this rank's exchange waits as long as the group's
             raise ValueError(f"timeout must be a number of seconds > 0 or None, got {bad!r}")
         mine = list(generate(local_share(prompts, rank, world)))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_same_device
+from rlhf_kernels._checks import all_finite, as_cu_seqlens, check_cu_seqlens, check_same_device
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -167,11 +167,7 @@ def _torch_varlen_attention(
     )
     # the fused CPU kernel writes 0 for a row with NaN scores: inputs with NaN/inf take the
     # explicit path, which propagates them like plain torch (CPU only: a check costs no sync)
-    fused = (
-        softcap == 0
-        and not return_lse
-        and (q.device.type != "cpu" or all(bool(t.isfinite().all()) for t in (q, k, v)))
-    )
+    fused = softcap == 0 and not return_lse and (q.device.type != "cpu" or all_finite(q, k, v))
     windowed = tuple(window_size) != (-1, -1)
     n_seq = len(cu_q) - 1
     pieces: list[torch.Tensor | None] = [None] * n_seq  # (lq, heads, head_dim) per sequence

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_kernels._checks import all_finite
 from rlhf_kernels.ring.plan import RingPlan
 
 # fused CPU flash kernel (fp32 math, returns lse; its backward takes the final out and lse)
@@ -118,12 +119,6 @@ def _fused_causal(spec, ta, tb, mask):
     return None
 
 
-def _finite(*tensors) -> bool:
-    """No NaN/inf: the fused CPU kernel writes 0 for a row with NaN scores, so a block holding
-    one takes the explicit math, which gives NaN as plain attention does (CPU: no sync cost)."""
-    return all(bool(t.isfinite().all()) for t in tensors)
-
-
 def _expand_kv(x, g):
     """``(t, KVH, D)`` -> ``(1, H, t, D)`` with each kv head repeated for its ``g`` query heads."""
     x = x.transpose(0, 1)
@@ -152,7 +147,7 @@ def forward_block(spec, q, k, v, pairs, acc_o, acc_lse):
     q ``(Lq, H, D)``, k/v ``(Lk, KVH, D)``; acc_o ``(Lq, H, D)``, acc_lse ``(H, Lq)`` (views ok).
     """
     h, kvh = q.shape[1], k.shape[1]
-    finite = not spec.fused or _finite(q, k, v)
+    finite = not spec.fused or all_finite(q, k, v)  # NaN blocks: explicit math
     for qs, ta, ks, tb, mask in pairs:
         kt = k[ks : ks + tb].to(q.dtype)
         vt = v[ks : ks + tb].to(q.dtype)
@@ -183,7 +178,7 @@ def backward_block(spec, q, k, v, out, do, lse, delta, pairs, dq, dk, dv):
     h, kvh = q.shape[1], k.shape[1]
     g = h // kvh
     safe_lse = torch.where(torch.isinf(lse), 0.0, lse)
-    finite = not spec.fused or _finite(q, k, v, do)
+    finite = not spec.fused or all_finite(q, k, v, do)
     for qs, ta, ks, tb, mask in pairs:
         kt = k[ks : ks + tb].to(q.dtype)
         vt = v[ks : ks + tb].to(q.dtype)
