@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import weakref
 
 import torch
@@ -95,6 +97,13 @@ def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=cu_seqlens.device)
     seq = torch.arange(len(lens), device=cu_seqlens.device)
     return torch.repeat_interleave(seq, lens, output_size=total)
+
+
+def is_real(x, *, finite: bool = False, positive: bool = False) -> bool:
+    """A real Python/NumPy number (not a bool, not a tensor), optionally finite and/or > 0."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    return (not finite or math.isfinite(x)) and (not positive or x > 0)
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._checks import is_real
 from ..ring.plan import LAYOUTS, RingPlan
 from . import _protocol, _stream, _wire
 
@@ -98,7 +99,7 @@ def _keys_error(name: str, token_keys, layout) -> tuple[Any, Exception | None]:
 def _timeout_ok(timeout) -> bool:
     if timeout is None:
         return True
-    return isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    return is_real(timeout, positive=True)
 
 
 def _refuse(name: str, error: Exception, fields: dict, group, timeout) -> None:

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_kernels._checks import is_real
 from rlhf_kernels.ops import linear_logprobs as lse_mod
-from rlhf_kernels.ops.linear_logprobs import _positive_number, linear_logprobs, linear_nll_loss
+from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -375,7 +376,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if softcap is not None and not _positive_number(softcap):
+        if softcap is not None and not is_real(softcap, positive=True):
             raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
         for name, flag in (
             ("return_z_loss", return_z_loss),

@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
-import numbers
 
 import torch
 
-from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask, check_same_device
+from rlhf_kernels._checks import (
+    as_cu_seqlens,
+    check_cu_seqlens,
+    check_mask,
+    check_same_device,
+    is_real,
+)
 
 BACKENDS = ("auto", "native", "triton", "torch")
 
@@ -324,7 +328,7 @@ _SCAN_DTYPES = (torch.float32, torch.float64)
 
 def _check_scalars(**scalars) -> None:
     for name, x in scalars.items():
-        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+        if not is_real(x, finite=True):
             raise TypeError(f"{name} must be a finite number, got {type(x).__name__} {x!r}")
 
 

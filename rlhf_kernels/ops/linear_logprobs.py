@@ -55,12 +55,11 @@ losses leave those tokens out. Other out-of-range labels: ValueError where check
 from __future__ import annotations
 
 import math
-import numbers
 import os
 
 import torch
 
-from rlhf_kernels._checks import check_mask, device_guard
+from rlhf_kernels._checks import check_mask, device_guard, is_real
 from rlhf_kernels.ops.logprobs import IGNORE_INDEX, check_label_range, fix_masked, mask_labels
 
 try:
@@ -644,11 +643,6 @@ def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None):
 
 
 # ----------------------------------------------------------------------------- API
-def _positive_number(x) -> bool:
-    """A real number > 0 (Python or NumPy scalar, not a bool or a tensor)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x > 0
-
-
 def _check(
     hidden, weight, labels, bias, temperature, chunk_tokens, chunk_vocab, ignore_index, softcap
 ):
@@ -682,9 +676,9 @@ def _check(
     devices = {t.device for t in (hidden, weight, labels, bias) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"hidden, weight, labels, bias must share a device, got {devices}")
-    if not _positive_number(temperature):
+    if not is_real(temperature, positive=True):
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if softcap is not None and not _positive_number(softcap):
+    if softcap is not None and not is_real(softcap, positive=True):
         raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import numbers
 import operator
 import warnings
 from collections.abc import Sequence
@@ -25,7 +24,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlhf_kernels._checks import all_finite, as_cu_seqlens, check_cu_seqlens, check_same_device
+from rlhf_kernels._checks import (
+    all_finite,
+    as_cu_seqlens,
+    check_cu_seqlens,
+    check_same_device,
+    is_real,
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -257,18 +262,14 @@ def scalar_problem(softmax_scale, causal, softcap, dtype: torch.dtype) -> str:
     """What is wrong with the scalar options ('' when nothing): ``softmax_scale`` None or a
     finite number, ``causal`` a bool, ``softcap`` a number in ``[0, max]`` of the dtype the
     scores are computed in (fp32, fp64 for fp64 inputs; larger caps overflow to NaN there)."""
-    if softmax_scale is not None and not (_real(softmax_scale) and math.isfinite(softmax_scale)):
+    if softmax_scale is not None and not is_real(softmax_scale, finite=True):
         return f"softmax_scale must be a finite number or None, got {softmax_scale!r}"
     if not isinstance(causal, bool):
         return f"causal must be a bool, got {type(causal).__name__} {causal!r}"
     big = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
-    if not (_real(softcap) and 0 <= softcap <= big):  # also rejects NaN and inf
+    if not (is_real(softcap) and 0 <= softcap <= big):  # also rejects NaN and inf
         return f"softcap must be a number in [0, {big:.4g}] (0: off), got {softcap!r}"
     return ""
-
-
-def _real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_inputs(
