@@ -38,14 +38,19 @@ bench: install
 
 # On a CUDA machine, with its own python (torch + triton + nvcc already there, no network
 # needed): build the native ops in place, run the GPU tests on compiled kernels, then the GPU
-# benchmarks -> bench/results/gpu-check-<gpu>-<date>.{json,md}. About 10 minutes on one H100.
+# benchmarks -> bench/results/gpu-check-<gpu>-<date>.{json,md}. About 6 minutes on one H100.
+# The benchmarks run even when a test fails (a GPU slot is rare); make fails if either did.
+# GPU_CHECK_ARGS: e.g. --budget-s 300 (rows are saved as they come), --only attention gae.
 GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
 	$(GPU_PY) setup.py -q build_ext --inplace
-	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" \
+	status=0; export PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)); \
+	$(GPU_PY) -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" \
 	    --ignore-glob='tests/test_trainer*' --ignore-glob='tests/test_*demo.py' \
-	    --ignore=tests/test_ppo.py
-	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) bench/gpu_check.py
+	    --ignore=tests/test_ppo.py || status=$$?; \
+	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS) || status=$$?; \
+	exit $$status
 
 lint: install
 	$(BIN)/ruff check .

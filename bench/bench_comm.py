@@ -138,6 +138,7 @@ def helper_worker(rank, world, payload_mb, chunk, method, rounds):
 @pytest.mark.parametrize("world", (2, 3))
 def test_rollout_distribution(benchmark, quick, world, method):
     payload_mb, chunk, rounds = (20, 4 << 20, 2) if quick else (100, 16 << 20, 3)
+    benchmark.group = f"comm-{payload_mb}MB"  # before the timed call, which copies it
     with gloo_rank0(
         helper_worker, world, payload_mb, chunk, method, rounds, timeout_s=600
     ) as others:
@@ -153,7 +154,6 @@ def test_rollout_distribution(benchmark, quick, world, method):
         benchmark.pedantic(run, rounds=rounds, warmup_rounds=0, iterations=1)
         peak = mem.stop()
     payload = tensor_bytes(samples)
-    benchmark.group = f"comm-{payload_mb}MB"
     benchmark.extra_info.update(
         label=f"{method} W={world}",
         method=method,

@@ -173,13 +173,13 @@ def test_ring_fwd_bwd(benchmark, quick, world, comm):
         pytest.skip("world 1 has no communication")
     total = 1024 if quick else 4096
     rounds = 2 if quick else 3
+    benchmark.group = f"ring-fwd_bwd-{total}"  # before the timed call, which copies it
     with gloo_rank0(ring_worker, world, total, comm, "zigzag", 1, rounds, timeout_s=300) as others:
         step, plan = make_step(0, world, total, comm)
         mem = PeakRSS()  # covers the warm-up round too
         # helpers run 1 warm-up + `rounds` steps: the same count as this pedantic call
         benchmark.pedantic(_synced(step, world), rounds=rounds, warmup_rounds=1, iterations=1)
         peak = mem.stop()
-    benchmark.group = f"ring-fwd_bwd-{total}"
     benchmark.extra_info.update(
         world=world,
         comm=comm,

@@ -268,23 +268,38 @@ PARAMS = [(c, m) for c, ms in CASES.items() for m in ms]
 
 
 @pytest.mark.parametrize("case,method", PARAMS, ids=[f"{c}-{m}" for c, m in PARAMS])
-def test_rl_math(benchmark, case, method, quick, device, sync):
+def test_rl_math(benchmark, case, method, quick, device, sync, cpu_threads):
     if not _available(method, device.type):
         pytest.skip(f"{method} not a performance path on {device.type}")
     run, peer, meta = make_case(case, method, quick, device.type)
     _check(run(), peer(), meta)
     benchmark.group = f"rl_math-{case}"
-    benchmark.extra_info.update(meta)
+    benchmark.extra_info.update(meta, torch_threads=torch.get_num_threads())
     benchmark.pedantic(
         lambda: (run(), sync()), rounds=3 if case == "linear" else 5, warmup_rounds=1
     )
+
+
+@pytest.fixture
+def cpu_threads(device):
+    """The thread count of the standalone run (``RL_MATH_THREADS``, default 1) on CPU, as the
+    results and READMEs state; restored afterwards."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(_threads())
+    yield
+    torch.set_num_threads(before)
+
+
+def _threads() -> int:
+    return int(os.environ.get("RL_MATH_THREADS", "1"))
 
 
 # ----------------------------------------------------------------------------- standalone
 def worker(case: str, method: str, device: str, quick: bool) -> dict:
     """One (case, method) in this process: check vs peer, peak extra memory, median time."""
     if device == "cpu":  # oversubscribed shared cores stall multi-threaded parallel regions
-        torch.set_num_threads(int(os.environ.get("RL_MATH_THREADS", "1")))
+        torch.set_num_threads(_threads())
     run, peer, meta = make_case(case, method, quick, device)
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

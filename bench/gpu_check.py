@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,14 +146,17 @@ def _cumsum(xs):
 
 
 def bench_attention(quick):
-    rows = []
     totals = (2048, 4096) if quick else (8192, 32768, 131072)
     for dim in (64, 128):
         for total in totals:
-            rows += _attention_case(total, dim, quick)
+            yield from _attention_case(total, dim, quick)
             torch.cuda.empty_cache()
-        rows += _attention_case(totals[1], dim, quick, skewed=True)
-    return rows
+        yield from _attention_case(totals[1], dim, quick, skewed=True)
+
+
+# a peer whose bf16 output (or dq) is further than this from ours, relative to the largest
+# entry of ours, is flagged ``mismatch`` (bf16 rounding alone is ~4e-3 of it)
+MISMATCH_REL = 2e-2
 
 
 def _attention_case(total, dim, quick, skewed=False):
@@ -170,50 +172,53 @@ def _attention_case(total, dim, quick, skewed=False):
         for _ in range(4)
     )
     flops = _causal_flops(lengths, heads, dim)
-    rows, ref = [], None
+    ref = ref_name = None
     for name, fn in _attention_peers(lengths, heads, dim).items():
         if name.endswith("_autotuned"):
             os.environ["RLHF_KERNELS_AUTOTUNE"] = "1"
         else:
             os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        try:
+        base = dict(total=total, dim=dim, heads=heads, docs=len(lengths), method=name,
+                    mix="skewed" if skewed else "uneven")  # fmt: skip
+        try:  # a peer that cannot run this shape (or runs out of memory) is reported
             out = fn(*leaves)
             out.backward(do)
-        except Exception as err:  # a peer that cannot run this shape is reported
-            rows.append(dict(total=total, dim=dim, method=name, error=repr(err)[:300]))
+            got = (out.detach().float(), leaves[0].grad.float())
+            del out
+            if ref is None:
+                ref, ref_name = got, name
+            err = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref)]
+
+            def step(fn=fn, leaves=leaves):
+                for x in leaves:
+                    x.grad = None
+                fn(*leaves).backward(do)
+
+            fwd_ms = _bench(lambda fn=fn: fn(q, k, v), quick)
+            fb_ms = _bench(step, quick)
+        except Exception as e:
+            os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
+            yield dict(base, error=repr(e)[:300])
+            torch.cuda.empty_cache()
             continue
-        got = (out.detach().float(), leaves[0].grad.float())
-        ref = got if ref is None else ref
-        err = [(a - b).abs().max().item() for a, b in zip(got, ref)]
-
-        def step(fn=fn, leaves=leaves):
-            for x in leaves:
-                x.grad = None
-            fn(*leaves).backward(do)
-
-        fwd_ms = _bench(lambda fn=fn: fn(q, k, v), quick)
-        fb_ms = _bench(step, quick)
-        rows.append(
-            dict(
-                total=total, dim=dim, heads=heads, docs=len(lengths), method=name,
-                mix="skewed" if skewed else "uneven",
-                fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
-                fwd_tflops=flops / fwd_ms / 1e9,
-                fwd_bwd_tflops=3.5 * flops / fb_ms / 1e9,
-                max_err_out_vs_ours=err[0], max_err_dq_vs_ours=err[1],
-            )
+        row = dict(
+            base, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+            fwd_tflops=flops / fwd_ms / 1e9, fwd_bwd_tflops=3.5 * flops / fb_ms / 1e9,
+            reference=ref_name, rel_err_out=err[0], rel_err_dq=err[1],
+            mismatch=max(err) > MISMATCH_REL,
         )  # fmt: skip
-        print(_fmt_attention(rows[-1]), flush=True)
+        print(_fmt_attention(row), flush=True)
+        yield row
     os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
-    return rows
 
 
 def _fmt_attention(r):
     return (
         f"attention D={r['dim']:3d} T={r['total']:6d} {r['method']:>18}: fwd "
         f"{r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TFLOP/s | fwd+bwd {r['fwd_bwd_ms']:8.3f} ms "
-        f"{r['fwd_bwd_tflops']:6.1f} TFLOP/s | err out {r['max_err_out_vs_ours']:.3g}"
+        f"{r['fwd_bwd_tflops']:6.1f} TFLOP/s | rel err out {r['rel_err_out']:.3g}, dq "
+        f"{r['rel_err_dq']:.3g} vs {r['reference']}{'  MISMATCH' if r['mismatch'] else ''}"
     )
 
 
@@ -245,29 +250,28 @@ def bench_linear(quick):
         methods["liger_fused_linear_ce"] = lambda: liger(w, h, labels).backward()
     except ImportError:
         pass
-    rows = []
     for name, fn in methods.items():
         h.grad = w.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        try:
-            fn()
-        except Exception as err:
-            rows.append(dict(method=name, error=repr(err)[:300]))
-            continue
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
 
         def step(fn=fn):
             h.grad = w.grad = None
             fn()
 
-        ms = _bench(step, quick)
-        rows.append(dict(method=name, T=T, H=H, V=V, ms=ms, peak_extra_mib=peak))
+        try:
+            fn()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            ms = _bench(step, quick)
+        except Exception as err:
+            yield dict(method=name, T=T, H=H, V=V, error=repr(err)[:300])
+            torch.cuda.empty_cache()
+            continue
         print(f"linear {name:>26}: {ms:9.2f} ms  peak +{peak:9.0f} MiB", flush=True)
+        yield dict(method=name, T=T, H=H, V=V, ms=ms, peak_extra_mib=peak)
         torch.cuda.empty_cache()
-    return rows
 
 
 # ----------------------------------------------------------------------------- gae
@@ -278,20 +282,12 @@ def bench_gae(quick):
     g = torch.Generator().manual_seed(0)
     r, v = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
     mask = torch.ones(B, T, dtype=torch.bool)
-    rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        t0 = time.perf_counter()
-        gae_reference(r, v, mask, 0.99, 0.95)
-        loop_ms = (time.perf_counter() - t0) * 1e3
-        rows.append(dict(method="python_loop_cpu_1thread", B=B, T=T, ms=loop_ms))
-        ts = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            gae(r, v, gamma=0.99, lam=0.95, mask=mask)
-            ts.append(time.perf_counter() - t0)
-        ms = sorted(ts)[len(ts) // 2] * 1e3
+    try:  # medians, after one warm-up call each
+        loop_ms = _median_ms(lambda: gae_reference(r, v, mask, 0.99, 0.95), 3)
+        rows = [dict(method="python_loop_cpu_1thread", B=B, T=T, ms=loop_ms)]
+        ms = _median_ms(lambda: gae(r, v, gamma=0.99, lam=0.95, mask=mask), 20)
         rows.append(dict(method="gae_cpu_1thread", B=B, T=T, ms=ms, speedup=loop_ms / ms))
     finally:
         torch.set_num_threads(threads)
@@ -300,7 +296,17 @@ def bench_gae(quick):
     rows.append(dict(method="gae_cuda", B=B, T=T, ms=ms, speedup=loop_ms / ms))
     for row in rows:
         print(f"gae {row['method']:>26}: {row['ms']:9.3f} ms", flush=True)
-    return rows
+    yield from rows
+
+
+def _median_ms(fn, n):
+    fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[n // 2] * 1e3
 
 
 # ----------------------------------------------------------------------------- ring tiles
@@ -310,7 +316,8 @@ def bench_ring_tile(quick):
     lse), forward and backward, on a zigzag plan of a packed causal stream; against
     single-device ``varlen_attention`` on the whole stream divided by the world size."""
     total = 4096 if quick else 32768
-    return [ring_block_work(total, world, "cuda", quick) for world in (2, 4)]
+    for world in (2, 4):
+        yield ring_block_work(total, world, "cuda", quick)
 
 
 def ring_block_work(total, world, device, quick=False, heads=16, kv_heads=4, dim=128):
@@ -395,14 +402,12 @@ def ring_block_work(total, world, device, quick=False, heads=16, kv_heads=4, dim
 def machine():
     import triton
 
-    def _git():
-        try:
-            return subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-            ).stdout.strip()
-        except OSError:
-            return None
+    from bench.report import VERSIONED, _git, _version
 
+    commit = os.environ.get("RLHF_KERNELS_COMMIT")  # for a copy of the tree without .git
+    if not commit and _git("rev-parse", "--short", "HEAD"):
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        commit = _git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
     p = torch.cuda.get_device_properties(0)
     return dict(
         gpu=torch.cuda.get_device_name(0),
@@ -414,7 +419,9 @@ def machine():
         torch=torch.__version__,
         cuda=torch.version.cuda,
         triton=triton.__version__,
-        rlhf_kernels_commit=os.environ.get("RLHF_KERNELS_COMMIT") or _git(),
+        rlhf_kernels_commit=commit,  # None: unknown (no git, no RLHF_KERNELS_COMMIT)
+        versions={key: _version(dist) for key, dist in VERSIONED.items()}
+        | {"liger_kernel": _version("liger-kernel")},
     )
 
 
@@ -428,25 +435,35 @@ def write_markdown(report, path):
         "",
     ]
     att = [r for r in report.get("attention", []) if "error" not in r]
+    failed = [r for rows in report.values() if isinstance(rows, list) for r in rows if "error" in r]
     if att:
         lines += [
             "## Packed causal attention (TFLOP/s; fwd+bwd counts the backward as 2.5x forward)",
             "",
+            f"Rel. err: max |peer - reference| / max |reference| (out, dq); over {MISMATCH_REL} "
+            "is flagged MISMATCH.",
+            "",
             "| head_dim | pack | docs | method | fwd ms | fwd TFLOP/s | fwd+bwd ms "
-            "| fwd+bwd TFLOP/s |",
-            "|--:|--:|---|---|--:|--:|--:|--:|",
+            "| fwd+bwd TFLOP/s | rel. err out, dq |",
+            "|--:|--:|---|---|--:|--:|--:|--:|---|",
         ]
         for r in att:
             lines.append(
                 f"| {r['dim']} | {r['total']} | {r['docs']} {r.get('mix', '')} | {r['method']} | "
                 f"{r['fwd_ms']:.3f} | "
-                f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} |"
+                f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} | "
+                f"{r['rel_err_out']:.2g}, {r['rel_err_dq']:.2g} vs {r['reference']}"
+                f"{' MISMATCH' if r['mismatch'] else ''} |"
             )
         lines.append("")
     for key, title in (("linear", "linear_logprobs"), ("gae", "GAE"), ("ring_tile", "ring tile")):
         rows = report.get(key, [])
         if rows:
             lines += [f"## {title}", "", "```", *[json.dumps(r) for r in rows], "```", ""]
+    if failed:
+        lines += ["## Failed", "", "```", *[json.dumps(r) for r in failed], "```", ""]
+    if report.get("unfinished"):
+        lines += [f"Unfinished (interrupted or over the time budget): {report['unfinished']}", ""]
     path.write_text("\n".join(lines))
 
 
@@ -454,29 +471,63 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument(
-        "--only", nargs="*", default=["attention", "linear", "gae", "ring_tile"],
-        help="parts to run",
-    )  # fmt: skip
+        "--only", nargs="*", default=list(PARTS), choices=list(PARTS), help="parts, in order"
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new row after this many seconds (rows so far are kept)",
+    )
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check needs CUDA", file=sys.stderr)
         return 2
     report = dict(date=datetime.date.today().isoformat(), quick=args.quick, machine=machine())
-    parts = dict(
-        attention=bench_attention, linear=bench_linear, gae=bench_gae, ring_tile=bench_ring_tile
-    )
-    for name in args.only:
-        t0 = time.perf_counter()
-        report[name] = parts[name](args.quick)
-        print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
     tag = report["machine"]["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
-    stem = f"gpu-check-{tag}{'-quick' if args.quick else ''}-{report['date']}"
+    stem = args.out_dir / f"gpu-check-{tag}{'-quick' if args.quick else ''}-{report['date']}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    write_markdown(report, args.out_dir / f"{stem}.md")
-    print(args.out_dir / f"{stem}.md")
-    return 0
+    report["unfinished"] = list(args.only)
+    start = time.perf_counter()
+
+    def over_budget():
+        return args.budget_s is not None and time.perf_counter() - start > args.budget_s
+
+    # every row is written as it comes: a crash, a kill or the budget keeps what was measured
+    for name in args.only:
+        if over_budget():
+            continue
+        t0, rows = time.perf_counter(), report.setdefault(name, [])
+        try:
+            for row in PARTS[name](args.quick):
+                rows.append(row)
+                _save(report, stem)
+                if over_budget():
+                    break
+            else:
+                report["unfinished"].remove(name)
+        except Exception as err:  # one part failing does not lose the others
+            rows.append(dict(error=repr(err)[:300]))
+            report["unfinished"].remove(name)
+        _save(report, stem)
+        print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    _save(report, stem)
+    print(f"{stem}.md")
+    failed = any("error" in r or r.get("mismatch") for n in PARTS for r in report.get(n, []))
+    return 1 if failed or report["unfinished"] else 0
+
+
+def _save(report, stem):
+    tmp = Path(f"{stem}.json.tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, f"{stem}.json")
+    write_markdown(report, Path(f"{stem}.md"))
+
+
+PARTS = dict(
+    attention=bench_attention, linear=bench_linear, gae=bench_gae, ring_tile=bench_ring_tile
+)
 
 
 if __name__ == "__main__":

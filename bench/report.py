@@ -115,9 +115,27 @@ def collect_machine_info() -> dict:
     return info
 
 
+def _unstamped(info: dict) -> dict:
+    """What pytest-benchmark's ``machine_info`` tells; the GPU and versions are unknown there
+    (tag ``unstamped``)."""
+    cpu = info.get("cpu") or {}
+    return {
+        "cpu_model": cpu.get("brand_raw") or info.get("processor") or None,
+        "cpu_cores": cpu.get("count"),
+        "torch_threads": None,
+        "gpu": None,
+        "gpu_count": None,
+        "python_version": info.get("python_version"),
+        "versions": {},
+        "tag": "unstamped",
+    }
+
+
 def machine_tag(info: dict) -> str:
-    """``cpu`` without a GPU, else a file-name-safe GPU name (``NVIDIA H100 80GB HBM3`` ->
-    ``h100-80gb-hbm3``)."""
+    """``unstamped`` for raw JSON not stamped by bench/conftest.py; ``cpu`` without a GPU, else
+    a file-name-safe GPU name (``NVIDIA H100 80GB HBM3`` -> ``h100-80gb-hbm3``)."""
+    if info.get("tag"):
+        return info["tag"]
     gpu = info.get("gpu")
     if not gpu:
         return "cpu"
@@ -133,8 +151,8 @@ def _safe(name: str) -> str:
 def build_reports(raw: dict, date: str | None = None) -> dict[str, dict]:
     """Group the benchmarks of a pytest-benchmark JSON: ``{group: report dict}``."""
     info = dict(raw.get("machine_info") or {})
-    if "cpu_model" not in info:  # raw JSON not stamped by bench/conftest.py
-        info.update(collect_machine_info())
+    if "cpu_model" not in info:  # not stamped by bench/conftest.py: pytest-benchmark's own fields
+        info = _unstamped(info)  # only; never this machine's, which may not have run it
     commit = raw.get("commit_info") or {}
     if date is None:
         stamp = raw.get("datetime")
@@ -148,7 +166,7 @@ def build_reports(raw: dict, date: str | None = None) -> dict[str, dict]:
             "torch_threads": info.get("torch_threads"),
             "gpu": info.get("gpu"),
             "gpu_count": info.get("gpu_count", 0),
-            "python": info.get("python_version") or platform.python_version(),
+            "python": info.get("python_version"),
         },
         "versions": versions,
         "rlhf_kernels": {
@@ -223,7 +241,8 @@ def write_reports(
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for group, rep in sorted(reports.items()):
-        stem = f"{_safe(group)}-{tag or rep['machine']['tag']}-{rep['date']}"
+        quick = "-quick" if rep.get("bench_quick") else ""  # never overwrites a full run's file
+        stem = f"{_safe(group)}-{tag or rep['machine']['tag']}{quick}-{rep['date']}"
         path = out_dir / f"{stem}.json"
         path.write_text(json.dumps(rep, indent=2, sort_keys=False) + "\n")
         written.append(path)
