@@ -131,21 +131,46 @@ def test_padded_batch_with_mask(name, side, tmp_path_factory):
         torch.testing.assert_close(out[b][mask[b].bool()], ref, atol=1e-4, rtol=0)
 
 
-def test_padded_layout_computed_once_per_forward(tmp_path_factory, monkeypatch):
-    """The unpadding indices and cu_seqlens (host syncs) are made by the first layer only."""
-    _, ours = _models("llama", tmp_path_factory)
-    assert ours.config.num_hidden_layers >= 2
+@pytest.mark.parametrize("name", ["llama", "gemma2_softcap"])
+def test_padded_layout_computed_once_per_forward(name, tmp_path_factory, monkeypatch):
+    """The unpadding indices and cu_seqlens (host syncs) are made by the first layer only, also
+    when sliding and full layers alternate (Gemma-2: they used to evict each other)."""
+    cfg_cls, model_cls, extra = CONFIGS[name]
+    cfg = getattr(transformers, cfg_cls)(**{**TINY, "num_hidden_layers": 4}, **extra)
+    hf.register()
+    ours = getattr(transformers, model_cls)._from_config(cfg, attn_implementation="rlhf_kernels")
     calls = []
     real = hf._padded_layout_uncached
-    monkeypatch.setattr(hf, "_padded_layout_uncached", lambda *a: calls.append(1) or real(*a))
+    spy = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(hf, "_padded_layout_uncached", spy)
     ids = torch.randint(1, 50, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0
+    kinds = len(set(getattr(ours.config, "layer_types", None) or [0]))  # Gemma-2: sliding, full
     with torch.no_grad():
         ours(input_ids=ids, attention_mask=mask, use_cache=False)
-        assert len(calls) == 1
+        assert len(calls) == kinds  # one mask per kind of layer
         ours(input_ids=ids, attention_mask=mask.clone(), use_cache=False)  # a new mask: once more
-    assert len(calls) == 2
+    assert len(calls) == 2 * kinds
+
+
+def test_shared_position_ids_segments_computed_once_per_forward(tmp_path_factory, monkeypatch):
+    """A batch of rows with one (1, S) position_ids row: expanded per layer, the segments used
+    to be recomputed by every layer."""
+    eager, ours = _models("llama", tmp_path_factory)
+    results = []
+    monkeypatch.setattr(hf, "_POS_CACHE", [None])
+    real = hf._segments_from_position_ids
+    spy = lambda *a: results.append(real(*a)) or results[-1]  # noqa: E731
+    monkeypatch.setattr(hf, "_segments_from_position_ids", spy)
+    ids = torch.randint(1, 50, (3, 10))
+    pos = torch.arange(10)[None]
+    with torch.no_grad():
+        got = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+        want = eager(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(results) == ours.config.num_hidden_layers
+    assert all(cu is results[0][0] for cu, _ in results)  # computed by the first layer only
 
 
 def test_reused_buffers_written_without_version_bump(tmp_path_factory):
@@ -472,3 +497,94 @@ def test_rows_without_mask_or_position_ids_are_one_sequence_each():
     for out in outs:
         torch.testing.assert_close(out.reshape(27, 4, 16), ref, rtol=0, atol=1e-12)
     assert hf._row_cu_seqlens.cache_info().hits >= 1  # the second call reuses the tensors
+
+
+def _pair(cfg_cls, model_cls, tmp_path, ref="sdpa", dtype=torch.float64, **cfg):
+    """(reference model, rlhf_kernels model) of a tiny config, same weights (from_pretrained)."""
+    torch.manual_seed(0)
+    cls = getattr(transformers, model_cls)
+    cls(getattr(transformers, cfg_cls)(**cfg)).save_pretrained(tmp_path)
+    hf.register()
+    return tuple(
+        cls.from_pretrained(tmp_path, attn_implementation=impl, dtype=dtype).eval()
+        for impl in (ref, "rlhf_kernels")
+    )
+
+
+def test_padded_cross_attention_matches_sdpa(tmp_path):
+    """BART: the cross-attention mask is the encoder's; every decoder row must still be
+    computed (queries used to be masked by the encoder's padding and misplaced)."""
+    small = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=64)
+    small.update(encoder_attention_heads=4, decoder_attention_heads=4, decoder_ffn_dim=64)
+    sdpa, ours = _pair(
+        "BartConfig", "BartForConditionalGeneration", tmp_path, vocab_size=VOCAB, **small
+    )
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=g)
+    enc_mask = torch.ones(2, 12, dtype=torch.long)
+    enc_mask[1, 8:] = 0
+    for dec_len in (5, 12, 15):  # shorter than, as long as and longer than the encoder
+        dec = torch.randint(3, VOCAB, (2, dec_len), generator=g)
+        kw = dict(input_ids=ids, attention_mask=enc_mask, decoder_input_ids=dec, use_cache=False)
+        with torch.no_grad():
+            want, got = (m(**kw).logits for m in (sdpa, ours))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_score_modifiers_raise_instead_of_being_ignored(tmp_path):
+    # T5 passes position_bias to the attention function: ignoring it changed the logits by 0.18
+    _, ours = _pair(
+        "T5Config", "T5ForConditionalGeneration", tmp_path, vocab_size=VOCAB, d_model=32,
+        d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+    )  # fmt: skip
+    ids = torch.randint(3, VOCAB, (2, 8))
+    with pytest.raises(ValueError, match=r"cannot apply \['position_bias'\]"):
+        ours(input_ids=ids, decoder_input_ids=ids[:, :5], use_cache=False)
+    module = torch.nn.Module()
+    q = torch.randn(1, 4, 6, 8)
+    k = torch.randn(1, 2, 6, 8)
+    for name in ("s_aux", "sinks", "indices"):
+        with pytest.raises(ValueError, match=name):
+            hf.rlhf_attention_forward(module, q, k, k, None, **{name: torch.zeros(4)})
+    with pytest.warns(UserWarning, match="output_attentions=True returns none"):
+        hf._WARNED_ATTENTIONS[0] = False
+        hf.rlhf_attention_forward(module, q, k, k, None, output_attentions=True)
+
+
+def test_mask_structures_it_cannot_apply_raise():
+    """Chunked attention (Llama 4) and image-token blocks (Gemma 3) used to be dropped."""
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_causal_mask_function,
+        create_causal_mask,
+        packed_sequence_compatibility_function,
+    )
+
+    kw = dict(batch_size=1, q_length=6, kv_length=6)
+    chunked = chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunked_overlay"):
+        hf.padding_mask(mask_function=chunked, **kw)
+    cfg = transformers.LlamaConfig(**TINY)
+    cfg._attn_implementation = hf.register()
+    with pytest.raises(ValueError, match="or_mask"):  # the image-token block overlay
+        blocks = torch.tensor([[-1, 0, 0, 0, -1, -1]])
+        create_causal_mask(cfg, torch.zeros(1, 6, 64), None, None, block_sequence_ids=blocks)
+    # what it applies itself passes: causal, windows, packing
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    packed = packed_sequence_compatibility_function(causal_mask_function, pos, pos)
+    for fn in (causal_mask_function, sliding_window_causal_mask_function(3), packed):
+        assert hf.padding_mask(mask_function=fn, **kw) is None
+
+
+def test_static_cache_raises_instead_of_attending_to_empty_slots(tmp_path_factory):
+    """A static cache hands over keys past the written ones (and no mask): that used to give
+    wrong logits silently (0.21 off at prefill)."""
+    from transformers import StaticCache
+
+    _, ours = _models("llama", tmp_path_factory)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with pytest.raises(ValueError, match="static .*KV cache"):
+        ours(input_ids=ids, past_key_values=StaticCache(config=ours.config, max_cache_len=32))
+    with pytest.raises(ValueError, match="static .*KV cache"):
+        kw = dict(max_new_tokens=2, do_sample=False, cache_implementation="static")
+        ours.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)

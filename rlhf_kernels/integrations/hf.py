@@ -15,16 +15,24 @@ The attention function picks, in order:
 
 1. ``ring_context(plan, ...)`` active: ``rlhf_kernels.ring.attention.ring_varlen_attention`` on
    this rank's tokens (batch 1); ``cu_seqlens``/``position_ids`` are ignored (the plan has them).
-2. A 2-D padding mask ``(B, kv_len)``: the padded batch is unpadded, run varlen, re-padded
-   (padding query rows give 0). Each row's real tokens are one sequence: ``position_ids`` are
-   not read here, so do not combine padding with several samples packed in one row (pack
-   without a mask instead).
+2. A 2-D padding mask ``(B, kv_len)``: the padded batch is unpadded, run varlen, re-padded.
+   Causal layers: queries are the last ``S_q`` keys and padding query rows give 0. Non-causal
+   layers (encoders, cross-attention) mask keys only and compute every query row, as SDPA does.
+   Each row's real tokens are one sequence: ``position_ids`` are not read here, so do not
+   combine padding with several samples packed in one row (pack without a mask instead).
 3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`
    (validated at the first attention layer of each forward, cached for the others).
 4. ``position_ids``: a new sample starts wherever ``pos[t] != pos[t - 1] + 1`` (transformers'
    own packed-sequence rule). Computed at the first attention layer (smallest ``layer_idx``) of
    each forward and reused by the others.
 5. Otherwise every batch row is one sequence (query rows aligned to the end of the keys).
+
+Refused with a clear error (never silently ignored): score modifiers passed by the layer
+(T5's ``position_bias``, attention sinks ``s_aux`` / ``sinks``, sparse ``indices``), mask
+structures other than causal / bidirectional / sliding window / packing (chunked attention,
+image-token block masks, custom overlays; not checked inside a torch.compile trace, where
+dynamo cannot read the mask function), static KV caches (keys past the written ones) and
+paged caches. ``output_attentions=True`` gets no weights (like SDPA) and a warning.
 
 Sliding window: transformers' layers see key ``j`` from query ``i`` when
 ``i - sliding_window < j <= i``, i.e. ``window_size = (sliding_window - 1, 0)``. Softcap (Gemma-2)
@@ -37,6 +45,7 @@ import contextlib
 import contextvars
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -132,9 +141,11 @@ _POS_CACHE: list = [None]  # [(weakref to position_ids, version, shape, (cu_seql
 
 
 def _segments_from_position_ids(
-    pos: torch.Tensor, refresh: bool = False
+    pos: torch.Tensor, refresh: bool = False, rows: int | None = None
 ) -> tuple[torch.Tensor, int]:
     """``(B, S)`` position ids -> (int32 cu_seqlens over the flattened ``B * S`` tokens, max len).
+    ``rows``: the batch size when ``pos`` is one row shared by every row (``(1, S)``, expanded
+    here so that the cache sees the caller's tensor, not a new expanded view per layer).
 
     A sample starts at each row start and wherever ``pos[t] != pos[t - 1] + 1``. The result for
     the last tensor seen is cached (weak reference + in-place version), so the layers of one
@@ -144,10 +155,11 @@ def _segments_from_position_ids(
     """
     with _POS_CACHE_LOCK:
         hit = None if refresh else _POS_CACHE[0]
-        if hit is not None and hit[0]() is pos and hit[1] == _version(pos) and hit[2] == pos.shape:
+        key = (pos.shape, rows)
+        if hit is not None and hit[0]() is pos and hit[1] == _version(pos) and hit[2] == key:
             return hit[3]
     seq = pos.shape[-1]
-    flat = pos.reshape(-1)
+    flat = (pos if rows is None else pos.expand(rows, -1)).reshape(-1)
     start = torch.ones_like(flat, dtype=torch.bool)
     start[1:] = flat[1:] != flat[:-1] + 1
     start[::seq] = True
@@ -157,7 +169,7 @@ def _segments_from_position_ids(
     cu = bounds.to(torch.int32)
     result = (cu, int(bounds.diff().max()))
     with _POS_CACHE_LOCK:
-        _POS_CACHE[0] = (weakref.ref(pos), _version(pos), pos.shape, result)
+        _POS_CACHE[0] = (weakref.ref(pos), _version(pos), (pos.shape, rows), result)
     return result
 
 
@@ -220,6 +232,11 @@ def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- attention
+# kwargs some layers pass that change the scores; ignoring one would be a silently wrong result
+_SCORE_MODIFIERS = ("position_bias", "s_aux", "sinks", "indices", "block_indices")
+_WARNED_ATTENTIONS = [False]
+
+
 def rlhf_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -243,7 +260,8 @@ def rlhf_attention_forward(
             :func:`padding_mask` (True = real token). A 4-D mask is rejected.
         dropout, scaling, sliding_window, softcap: the layer's settings (transformers' meaning).
         kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids`` as described in the
-            module docstring; anything else is ignored.
+            module docstring; score modifiers (``position_bias``, ``s_aux``, ``sinks``,
+            ``indices``, ``block_indices``) raise; anything else is ignored.
 
     Returns:
         ``(out, None)`` with out ``(B, S_q, heads, head_dim)``.
@@ -252,6 +270,20 @@ def rlhf_attention_forward(
         raise ValueError(
             "rlhf_kernels attention does not support paged caches (continuous "
             "batching); use attn_implementation='sdpa' for serving"
+        )
+    given = [k for k in _SCORE_MODIFIERS if kwargs.get(k) is not None]
+    if given:
+        raise ValueError(
+            f"rlhf_kernels attention cannot apply {given} (attention bias, sinks or sparse "
+            f"indices change the scores); use attn_implementation='eager' or 'sdpa' for "
+            f"{type(module).__name__}"
+        )
+    if kwargs.get("output_attentions") and not _WARNED_ATTENTIONS[0]:
+        _WARNED_ATTENTIONS[0] = True
+        warnings.warn(
+            "rlhf_kernels attention never materialises attention weights: "
+            "output_attentions=True returns none (use attn_implementation='eager')",
+            stacklevel=2,
         )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
@@ -332,13 +364,14 @@ def rlhf_attention_forward(
             raise ValueError(
                 f"position_ids must have {s_q} positions per row, got shape {tuple(pos.shape)}"
             )
-        pos = pos.expand(bsz, -1) if pos.shape[0] != bsz else pos
+        rows = bsz if pos.shape[0] != bsz else None  # (1, S) shared by the rows
         if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
             from rlhf_kernels.ops.compiled import segments_from_position_ids
 
-            cu, longest = segments_from_position_ids(pos), None
+            cu = segments_from_position_ids(pos if rows is None else pos.expand(rows, -1))
+            longest = None
         else:
-            cu, longest = _segments_from_position_ids(pos, refresh=_first_layer(module))
+            cu, longest = _segments_from_position_ids(pos, _first_layer(module), rows)
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
     else:  # one sequence per row
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
@@ -356,13 +389,26 @@ def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
             f"({bsz}, {s_k}); got shape {tuple(mask.shape)}. 4-D masks are not "
             f"supported: pass a 2-D mask or packed position_ids"
         )
+    windowed = window[0] >= 0
+    # causal: the queries are the last s_q keys (self-attention, maybe after a cache), so their
+    # mask is the keys' last columns. Non-causal (encoders, cross-attention where the mask is
+    # the encoder's): the mask is over keys only and every query row is computed, as in SDPA.
+    # A non-causal window needs query i at key i (self-attention, same mask).
+    all_queries = not common["causal"] and not windowed
+    if not common["causal"] and windowed and s_q != s_k:
+        raise ValueError(
+            f"a non-causal sliding window needs self-attention (as many queries as keys), got "
+            f"{s_q} queries and {s_k} keys"
+        )
     if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
         from rlhf_kernels.ops.compiled import padded_layout
 
-        idx_q, idx_k, cu_q, cu_k = padded_layout(mask, s_q, s_k, window[0] >= 0)
+        idx_q, idx_k, cu_q, cu_k = padded_layout(mask, s_q, s_k, windowed, all_queries)
         max_q = max_k = None
     else:
-        idx_q, idx_k, cu_q, cu_k, max_q, max_k = _padded_layout(mask, s_q, s_k, window[0] >= 0)
+        idx_q, idx_k, cu_q, cu_k, max_q, max_k = _padded_layout(
+            mask, s_q, s_k, windowed, all_queries
+        )
     out = varlen_attention(
         q.reshape(-1, heads, dim)[idx_q],
         k.reshape(-1, k.shape[2], dim)[idx_k],
@@ -378,45 +424,67 @@ def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
 
 
 _MASK_CACHE_LOCK = threading.Lock()
-_MASK_CACHE: list = [None]  # [(weakref to mask, version, key, layout)]
+# [(weakref to mask, version, key, (layout, holes))], newest last: two entries, so the sliding
+# and full masks of a model alternating both kinds of layers (Gemma-2) do not evict each other
+_MASK_CACHE: list = []
 
 
-def _padded_layout(mask, s_q: int, s_k: int, windowed: bool):
+def _padded_layout(mask, s_q: int, s_k: int, windowed: bool, all_queries: bool = False):
     """Token indices, ``cu_seqlens`` and max lengths of a padded batch's real tokens.
 
-    Every layer of a forward passes the same mask tensor: the layout is computed (with its host
-    syncs) for the first layer and read from a one-entry cache (weak reference + in-place
-    version, like the position-ids cache) by the others, whose ``cu_seqlens`` are then the same
+    Every layer of a forward passes the same mask tensor (a model alternating sliding and full
+    layers, two): the layout is computed (with its one host read) for the first layer of each
+    and read from a two-entry cache (weak reference + in-place version, like the position-ids
+    cache) by the others, whose ``cu_seqlens`` are then the same
     tensors, so their validation is a cache hit too. The mask is the one :func:`padding_mask`
     made for this forward (a new tensor each forward), so the cache never outlives a forward.
     """
-    key = (s_q, s_k, windowed, mask.shape)
+    key = (s_q, s_k, all_queries, mask.shape)  # not windowed: alternating layers share it
     with _MASK_CACHE_LOCK:
-        hit = _MASK_CACHE[0]
-        if hit is not None and hit[0]() is mask and hit[1] == _version(mask) and hit[2] == key:
-            return hit[3]
-    layout = _padded_layout_uncached(mask, s_q, s_k, windowed)
+        for hit in _MASK_CACHE:
+            if hit[0]() is mask and hit[1] == _version(mask) and hit[2] == key:
+                layout, holes = hit[3]
+                if windowed and holes:
+                    raise _holes_error()
+                return layout
+    *layout, holes = _padded_layout_uncached(mask, s_q, s_k, False, all_queries, with_holes=True)
     with _MASK_CACHE_LOCK:
-        _MASK_CACHE[0] = (weakref.ref(mask), _version(mask), key, layout)
-    return layout
+        _MASK_CACHE[:] = [
+            *_MASK_CACHE[-1:],
+            (weakref.ref(mask), _version(mask), key, (tuple(layout), holes)),
+        ]
+    if windowed and holes:
+        raise _holes_error()
+    return tuple(layout)
 
 
-def _padded_layout_uncached(mask, s_q, s_k, windowed):
+def _holes_error() -> ValueError:
+    # unpadding would shrink distances across holes, changing what a window sees
+    return ValueError(
+        "sliding-window attention needs each row's real tokens to be contiguous (left or right "
+        "padding), got padding between tokens"
+    )
+
+
+def _padded_layout_uncached(mask, s_q, s_k, windowed, all_queries=False, with_holes=False):
+    """``(idx_q, idx_k, cu_q, cu_k, max_q, max_k)`` (+ whether some row has padding between
+    real tokens, with ``with_holes``); ``windowed`` raises on such holes. One host read."""
     mask_k = mask[:, -s_k:].bool()
-    mask_q = mask_k[:, -s_q:]
-    if windowed:
-        # unpadding would shrink distances across holes, changing what a window sees
-        runs = (mask_k[:, 1:] & ~mask_k[:, :-1]).sum(1) + mask_k[:, 0]
-        if bool((runs > 1).any()):
-            raise ValueError(
-                "sliding-window attention needs each row's real tokens to be "
-                "contiguous (left or right padding), got padding between tokens"
-            )
+    if all_queries:
+        mask_q = torch.ones(mask.shape[0], s_q, dtype=torch.bool, device=mask.device)
+    else:
+        mask_q = mask_k[:, -s_q:]
+    runs = (mask_k[:, 1:] & ~mask_k[:, :-1]).sum(1) + mask_k[:, 0]  # real-token runs per row
     idx_q = mask_q.reshape(-1).nonzero().flatten()
     idx_k = mask_k.reshape(-1).nonzero().flatten()
     n_q, n_k = mask_q.sum(1), mask_k.sum(1)
-    max_q, max_k = (int(x) for x in torch.stack([n_q.max(), n_k.max()]).tolist())
-    return idx_q, idx_k, _cu_from_counts(n_q), _cu_from_counts(n_k), max_q, max_k
+    max_q, max_k, most_runs = (
+        int(x) for x in torch.stack([n_q.max(), n_k.max(), runs.max()]).tolist()
+    )
+    if windowed and most_runs > 1:
+        raise _holes_error()
+    layout = idx_q, idx_k, _cu_from_counts(n_q), _cu_from_counts(n_k), max_q, max_k
+    return (*layout, most_runs > 1) if with_holes else layout
 
 
 def padding_mask(
@@ -432,13 +500,36 @@ def padding_mask(
     """``AttentionMaskInterface`` entry: the 2-D bool padding mask, or None when nothing is padded.
 
     The causal / sliding-window / packed structure is applied by the attention function, so no
-    dense 4-D mask is ever built. Custom mask overlays (``or_mask_function``/``and_mask_function``,
-    which transformers flags with ``use_vmap``) cannot be expressed here and raise.
+    dense 4-D mask is ever built. Anything else raises: custom overlays
+    (``or_mask_function``/``and_mask_function``, flagged ``use_vmap``), mask functions built
+    from parts other than transformers' causal, bidirectional, sliding-window and packed-sequence
+    ones (chunked attention, image-token blocks), and keys past the queries (a static cache's
+    unwritten slots: ``kv_offset + kv_length > q_offset + q_length``).
     """
     if kwargs.get("use_vmap"):
         raise ValueError(
             "rlhf_kernels attention cannot apply custom mask overlays "
             "(or_mask_function/and_mask_function); use another attn_implementation"
+        )
+    # dynamo cannot read nested functions' names: a compiled forward skips this check (an
+    # eager forward of the same model makes it)
+    parts = [] if torch.compiler.is_compiling() else _mask_parts(mask_function)
+    unknown = [p for p in parts if p not in _KNOWN_MASK_PARTS]
+    if unknown:
+        raise ValueError(
+            f"rlhf_kernels attention applies causal, bidirectional, sliding-window and packed "
+            f"masks only; this model's mask also has {unknown} (e.g. chunked attention or "
+            f"image-token blocks): use attn_implementation='sdpa'"
+        )
+    # transformers' bidirectional masks (encoders, cross-attention: keys need not end at the
+    # last query) pass allow_is_bidirectional_skip; its causal ones do not
+    causal = "allow_is_bidirectional_skip" not in kwargs
+    if causal and kv_offset + kv_length > q_offset + q_length:
+        raise ValueError(
+            f"rlhf_kernels attention needs the keys to end at the last query, got "
+            f"{kv_offset + kv_length} key slots for queries ending at {q_offset + q_length}: a "
+            f"static (pre-allocated) KV cache; generate with the default dynamic cache or "
+            f"attn_implementation='sdpa'"
         )
     if attention_mask is None:
         return None
@@ -448,6 +539,48 @@ def padding_mask(
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
+
+
+# the parts of transformers' mask functions (``masking_utils``) the attention function applies
+# itself: causal / bidirectional, sliding windows (its ``sliding_window`` argument), the
+# packed-sequence wrapper (from the same position_ids it reads), padding and index offsets
+_KNOWN_MASK_PARTS = {
+    f"transformers.masking_utils.{name}"
+    for name in (
+        "causal_mask_function",
+        "bidirectional_mask_function",
+        "and_masks.<locals>.and_mask",
+        "sliding_window_overlay.<locals>.inner_mask",
+        "sliding_window_bidirectional_overlay.<locals>.inner_mask",
+        "packed_sequence_mask_function.<locals>.inner_mask",
+        "remap_positions_for_packed_sequence.<locals>.inner_mask",
+        "padding_mask_function.<locals>.inner_mask",
+        "add_offsets_to_mask_function.<locals>.inner_mask",
+    )
+}
+
+
+def _mask_parts(fn) -> list[str]:
+    """``module.qualname`` of every function ``fn`` is built from (through the closures of
+    transformers' known combinators); [] for None."""
+    found, todo, seen = [], [fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, (tuple, list)):
+            todo.extend(f)
+            continue
+        if not callable(f):
+            continue
+        name = getattr(f, "__module__", "") + "." + getattr(f, "__qualname__", "?")
+        found.append(name)
+        if name not in _KNOWN_MASK_PARTS:  # not looked into
+            continue
+        for cell in getattr(f, "__closure__", None) or ():
+            todo.append(cell.cell_contents)
+    return found
 
 
 def register(name: str = ATTN_NAME, backend: str = "auto") -> str:

@@ -167,16 +167,16 @@ def _(position_ids):
 
 @torch.library.custom_op("rlhf_kernels::padded_layout", mutates_args=())
 def padded_layout(
-    mask: Tensor, s_q: int, s_k: int, windowed: bool
+    mask: Tensor, s_q: int, s_k: int, windowed: bool, all_queries: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from rlhf_kernels.integrations.hf import _padded_layout_uncached
 
-    idx_q, idx_k, cu_q, cu_k, _, _ = _padded_layout_uncached(mask, s_q, s_k, windowed)
+    idx_q, idx_k, cu_q, cu_k, _, _ = _padded_layout_uncached(mask, s_q, s_k, windowed, all_queries)
     return idx_q, idx_k, cu_q, cu_k
 
 
 @padded_layout.register_fake
-def _(mask, s_q, s_k, windowed):
+def _(mask, s_q, s_k, windowed, all_queries):
     ctx = torch.library.get_ctx()
     n_q, n_k = ctx.new_dynamic_size(), ctx.new_dynamic_size()  # real tokens: data-dependent
     b = mask.shape[0]
