@@ -8,9 +8,9 @@ Measures on one CUDA device, bf16, with CUDA-event timing (``triton.testing.do_b
   default blocks and with ``RLHF_KERNELS_AUTOTUNE=1``),
   ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels shipped inside torch; the
   flash-attn package itself when importable), one SDPA flash call per document, and compiled
-  ``flex_attention`` with a document-causal block mask. Every peer is checked against ours
-  first. TFLOP/s count useful causal FLOPs: ``4 * sum(l^2) / 2 * H * D`` forward, 2.5x that
-  for the backward.
+  ``flex_attention`` with a document-causal block mask. Every peer is compared with ours first
+  (max error relative to ours' largest entry; over 2% is flagged ``mismatch``). TFLOP/s count
+  useful causal FLOPs: ``4 * sum(l^2) / 2 * H * D`` forward, 2.5x that for the backward.
 - ``linear_logprobs``: T=32k, H=4096, V=128k: ours (per-token log-probs, fwd+bwd of
   ``sum(w * logp)``), ours as a loss (``linear_nll_loss``, gradients made in the forward), the
   naive fp32 ``log_softmax`` + gather, ``F.cross_entropy`` and Liger's fused linear
@@ -25,7 +25,10 @@ Measures on one CUDA device, bf16, with CUDA-event timing (``triton.testing.do_b
   against single-device attention on the whole pack divided by the world size (``*_vs_ideal``,
   1.0 = no overhead from splitting).
 
-Writes ``bench/results/gpu-check-<gpu>-<date>.json`` and ``.md`` (hardware, versions, date).
+Writes ``bench/results/gpu-check-<gpu>[-quick]-<date>.json`` and ``.md`` (hardware, versions,
+date), rewritten after every row. Exit status 1 when a part raised, did not finish, one of
+ours (or our GAE / linear ops) failed, or a peer's result mismatched; a peer's own failure (out
+of memory) is only reported.
 ``--quick`` runs small shapes (a smoke test of the script itself).
 """
 
@@ -206,7 +209,7 @@ def _attention_case(total, dim, quick, skewed=False):
             base, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
             fwd_tflops=flops / fwd_ms / 1e9, fwd_bwd_tflops=3.5 * flops / fb_ms / 1e9,
             reference=ref_name, rel_err_out=err[0], rel_err_dq=err[1],
-            mismatch=max(err) > MISMATCH_REL,
+            mismatch=_mismatch(err),
         )  # fmt: skip
         print(_fmt_attention(row), flush=True)
         yield row
@@ -514,8 +517,20 @@ def main(argv=None):
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
     _save(report, stem)
     print(f"{stem}.md")
-    failed = any("error" in r or r.get("mismatch") for n in PARTS for r in report.get(n, []))
+    failed = any(_fails(r) for n in PARTS for r in report.get(n, []))
     return 1 if failed or report["unfinished"] else 0
+
+
+def _mismatch(rel_errors) -> bool:
+    return not all(e <= MISMATCH_REL for e in rel_errors)  # NaN and inf are mismatches too
+
+
+def _fails(row) -> bool:
+    """A row that makes the check fail: a mismatch, or an error of ours or of a whole part. A
+    peer's own error (flex running out of memory at 128k) is reported, not a failure."""
+    if row.get("mismatch"):
+        return True
+    return "error" in row and str(row.get("method", "ours")).startswith(("ours", "gae", "linear_"))
 
 
 def _save(report, stem):

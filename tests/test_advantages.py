@@ -117,11 +117,18 @@ def test_whiten_needs_two_selected_entries():
 def test_scalar_arguments_checked():
     import numpy as np
 
-    from rlhf_kernels import gae
+    from rlhf_kernels import discounted_returns, gae
 
     r = torch.randn(8)
     torch.testing.assert_close(group_advantages(r, np.int64(4)), group_advantages(r, 4))
     with pytest.raises(ValueError, match="group_size must be a positive int, got True"):
         group_advantages(r, True)
-    with pytest.raises(TypeError, match="gamma must be a finite number, got str"):
+    with pytest.raises(TypeError, match="gamma must be a number in \\[0, 1\\], got str"):
         gae(r, r, gamma="0.9", lam=0.9, cu_seqlens=[0, 8])
+    for bad in (1.5, -0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="gamma must be in \\[0, 1\\]"):
+            gae(r, r, gamma=bad, lam=0.9, cu_seqlens=[0, 8])
+        with pytest.raises(ValueError, match="lam must be in \\[0, 1\\]"):
+            gae(r, r, gamma=0.9, lam=bad, cu_seqlens=[0, 8])
+        with pytest.raises(ValueError, match="gamma must be in \\[0, 1\\]"):
+            discounted_returns(r, gamma=bad, cu_seqlens=[0, 8])

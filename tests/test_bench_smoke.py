@@ -260,3 +260,24 @@ def test_gpu_check_keeps_every_row_when_a_part_fails(monkeypatch, tmp_path):
     assert json.loads(js.read_text())["unfinished"] == ["gae"]
     with pytest.raises(SystemExit):  # a misspelt part fails at once, not after the others
         gpu_check.main(["--only", "attention", "ring-tile"])
+
+
+def test_gpu_check_exit_status_follows_our_rows(monkeypatch, tmp_path):
+    """A peer's own failure (flex out of memory) is reported without failing the check; an
+    error of ours or a mismatch (NaN included) fails it."""
+    from bench import gpu_check
+
+    fake = dict(gpu="NVIDIA Fake GPU", torch="t", cuda="c", triton="tr", python="p")
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "machine", lambda: dict(fake, rlhf_kernels_commit=None))
+
+    def run(*rows):
+        monkeypatch.setattr(gpu_check, "PARTS", dict(linear=lambda quick: iter(rows)))
+        return gpu_check.main(["--only", "linear", "--out-dir", str(tmp_path)])
+
+    assert run(dict(method="flex_doc_mask", error="OutOfMemoryError()")) == 0
+    assert run(dict(method="ours_triton", error="RuntimeError()")) == 1
+    assert run(dict(method="flash_attn", mismatch=True)) == 1
+    assert not gpu_check._mismatch([1e-3, 4e-3])
+    for bad in ([0.0, 0.5], [float("nan"), 0.0], [0.0, float("inf")]):
+        assert gpu_check._mismatch(bad), bad

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -239,6 +240,27 @@ def test_dr_grpo_loss_aggregation_is_the_constant_normaliser(tmp_path):
         assert b[key] == pytest.approx(a[key] * factor, rel=1e-4, abs=1e-8), key
 
 
+@pytest.mark.slow
+def test_policy_loss_is_the_surrogate_and_one_step_runs_evaluate_after_it(tmp_path):
+    """``policy_loss`` logs the clipped surrogate alone (it used to include the entropy bonus
+    and the in-loss KL); ``actor_loss`` is what is minimised. A one-step run logs the greedy
+    reward before (``eval_reward_before``) and after (``eval_reward``) its update."""
+    base = FAST + ["--max-steps", "1", "--ppo-epochs", "1", "--advantage-estimator", "rloo"]
+    run_trainer("ppo", base, tmp_path / "plain")
+    extra = ["--entropy-coef", "0.5", "--kl-coef", "0.1", "--kl-in-loss"]
+    run_trainer("ppo", base + extra, tmp_path / "bonus")
+    a, b = metrics(tmp_path / "plain")[0], metrics(tmp_path / "bonus")[0]
+    assert a["reward_mean"] == pytest.approx(b["reward_mean"])  # the same rollouts
+    assert b["policy_loss"] == pytest.approx(a["policy_loss"], rel=1e-5, abs=1e-7)
+    assert a["actor_loss"] == pytest.approx(a["policy_loss"], rel=1e-6, abs=1e-9)
+    # at step 1 the actor is the reference: the in-loss KL is 0
+    want = b["policy_loss"] - 0.5 * b["entropy"]
+    assert b["actor_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert b["entropy"] > 0.1
+    for m in (a, b):
+        assert math.isfinite(m["eval_reward_before"]) and math.isfinite(m["eval_reward"])
+
+
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     """``run(args) -> output folder`` of a 1-process run, each argument list run once."""
@@ -458,6 +480,26 @@ def test_ppo_bad_input_is_one_clear_error(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "a b c"}] * 4 + [{"prompt": " ".join("abcdefghijklmnopqrst")}] * 2
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # a tokenizer that adds no BOS (GPT-2, Qwen) renders an empty prompt to no tokens at all
+    nobos = tmp_path / "nobos"
+    shutil.copytree(ensure_tiny(), nobos)
+    tok = json.loads((nobos / "tokenizer.json").read_text())
+    tok["post_processor"] = None
+    (nobos / "tokenizer.json").write_text(json.dumps(tok))
+    # a reward model whose tokenizer numbers the tokens differently (two ids swapped)
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    other_rm = tmp_path / "other_rm"
+    rcfg = AutoConfig.from_pretrained(ensure_tiny(), num_labels=1)
+    AutoModelForSequenceClassification.from_config(rcfg).save_pretrained(other_rm)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(nobos / f, other_rm / f)
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other_rm / "tokenizer.json").write_text(json.dumps(tok))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a b", "c d", "", "e"]))
     cases = {
         "one sample per prompt": (
             ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "1"],
@@ -473,6 +515,16 @@ def test_ppo_bad_input_is_one_clear_error(tmp_path):
             ["--dataset", str(prompts), "--max-len", "12", "--eval-ratio", "0.5"],
             1,
             "prompt row 4 (0-based) of the --dataset",
+        ),
+        "empty prompt": (
+            ["--model", str(nobos), "--dataset", str(empty), "--eval-ratio", "0"],
+            1,
+            "prompt row 2 (0-based) of the --dataset (--split 'train'), '', has no tokens",
+        ),
+        "reward model tokenizer": (
+            ["--reward-model", str(other_rm)],
+            1,
+            "has a tokenizer with another vocabulary than the policy's",
         ),
         "no packing": (["--no-packing"], 1, "always packed"),
         "ring batch": (
@@ -583,3 +635,54 @@ def test_reference_memory_flags_are_checked():
         PPOConfig(ref_offload=True, ref_zero_stage=0).validate()
     with pytest.raises(ValueError, match="--ref-zero-stage 3 cannot be combined with --tp-size 2"):
         PPOConfig(ref_zero_stage=3, tp_size=2).validate()
+
+
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        (dict(kl_coef=float("nan")), "--kl-coef must be a finite number, got nan"),
+        (dict(lr=float("nan")), "--lr must be a finite number"),
+        (dict(weight_decay=float("inf")), "--weight-decay must be a finite number"),
+        (dict(kl_coef=-1.0), "--kl-coef and --entropy-coef must be >= 0"),
+        (dict(entropy_coef=-0.1), "--kl-coef and --entropy-coef must be >= 0"),
+        (dict(gamma=1.5), r"--gamma and --lam must be in \[0, 1\], got 1.5"),
+        (dict(lam=-1.0), r"--gamma and --lam must be in \[0, 1\]"),
+        (dict(critic_lr=0.0), "--critic-lr must be > 0"),
+        (dict(max_grad_norm=-1.0), "--weight-decay and --max-grad-norm must be >= 0"),
+        (dict(critic_model="x"), "--critic-model is used by --advantage-estimator gae only"),
+    ],
+)
+def test_rl_hyper_parameters_are_checked(kw, expected):
+    # before any model is built: NaN coefficients used to train silently on NaN
+    from trainers.ppo import PPOConfig
+
+    with pytest.raises(ValueError, match=expected):
+        PPOConfig(**kw).validate()
+
+
+def test_reward_model_tokenizer_check(tmp_path):
+    """The reward model scores the policy's ids: its tokenizer must number every policy token
+    the same (tokens of its own are fine); without a saved tokenizer its vocab_size must cover
+    the policy's (GPT-2 / Qwen2 folders without tokenizer files used to be refused)."""
+    from transformers import AutoConfig, AutoTokenizer, GPT2Config
+
+    from trainers.session import _tokenizer_mismatch
+    from trainers.tiny import ensure_tiny
+
+    policy = AutoTokenizer.from_pretrained(ensure_tiny())
+    bare = tmp_path / "bare"
+    GPT2Config(vocab_size=len(policy)).save_pretrained(bare)  # config.json only
+    assert _tokenizer_mismatch(policy, str(bare), AutoConfig.from_pretrained(bare)) == ""
+    small = GPT2Config(vocab_size=len(policy) - 1)
+    assert "fewer than the policy tokenizer's" in _tokenizer_mismatch(policy, str(bare), small)
+    extra = tmp_path / "extra"
+    tok = AutoTokenizer.from_pretrained(ensure_tiny())
+    tok.add_special_tokens({"additional_special_tokens": ["<|rm-pad|>"]})
+    tok.save_pretrained(extra)
+    assert _tokenizer_mismatch(policy, str(extra), None) == ""
+    swapped = json.loads((extra / "tokenizer.json").read_text())
+    vocab = swapped["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (extra / "tokenizer.json").write_text(json.dumps(swapped))
+    assert "2 policy tokens numbered differently" in _tokenizer_mismatch(policy, str(extra), None)

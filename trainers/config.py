@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 
 def _f(default, help: str, **meta):
@@ -111,6 +112,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Local checks (no model or data needed): ValueError naming the flag."""
+        for f in fields(self):  # argparse's float() takes 'nan' and 'inf'
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {v}")
         positive = (
             "batch_size",
             "micro_batch_tokens",
@@ -137,6 +142,11 @@ class TrainConfig:
             raise ValueError(f"--eval-ratio must be in [0, 1), got {self.eval_ratio}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError(
+                f"--weight-decay and --max-grad-norm must be >= 0, got {self.weight_decay}, "
+                f"{self.max_grad_norm}"
+            )
         if self.tp_size > 1 and self.zero_stage == 3:
             raise ValueError(
                 f"--tp-size {self.tp_size} cannot be combined with --zero-stage 3 (DeepSpeed "

@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     m = read(out / "ppo")
     first = sum(x["reward_mean"] for x in m[:3]) / 3
     last = sum(x["reward_mean"] for x in m[-3:]) / 3
-    evals = [x["eval_reward"] for x in m if "eval_reward" in x]
+    evals = [m[0]["eval_reward_before"]] + [x["eval_reward"] for x in m if "eval_reward" in x]
     print()
     print(f"{'':<36}{'before RL':>10}{'after RL':>10}")
     print(f"{'sampled reward (mean of 3 steps)':<36}{first:>10.3f}{last:>10.3f}")

@@ -150,6 +150,20 @@ class PPOConfig(TrainConfig):
             raise ValueError(f"--dual-clip must be > 1 (or left out), got {self.dual_clip}")
         if not self.value_clip >= 0:
             raise ValueError(f"--value-clip must be >= 0 (0: no clipping), got {self.value_clip}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(
+                f"--kl-coef and --entropy-coef must be >= 0, got {self.kl_coef}, "
+                f"{self.entropy_coef}"
+            )
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"--gamma and --lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.critic_lr <= 0:
+            raise ValueError(f"--critic-lr must be > 0, got {self.critic_lr}")
+        if self.critic_model and self.advantage_estimator != "gae":
+            raise ValueError(
+                f"--critic-model is used by --advantage-estimator gae only (it trains the value "
+                f"model), got --advantage-estimator {self.advantage_estimator}"
+            )
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -501,7 +515,11 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
     norm = n_global  # the loss's denominator; the statistics stay token means
     if cfg.loss_aggregation == "seq-mean-token-sum-norm":
         norm = _batch_seqs(batch, layout) * cfg.max_new_tokens
-    totals = dict(policy_loss=0.0, clip_fraction=0.0, approx_kl=0.0, entropy=0.0)
+    # policy_loss: the clipped surrogate alone; actor_loss: what is minimised (with the KL and
+    # entropy terms when they are in the loss)
+    totals = dict.fromkeys(
+        ("policy_loss", "actor_loss", "clip_fraction", "approx_kl", "entropy"), 0.0
+    )
     mbs = update_batches(batch, cfg, layout, pad_id)
     for i, (mb, counts) in enumerate(mbs):
         weight = _n(mb) / n_global if counts else 0.0
@@ -511,7 +529,7 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
             logp, ent = engine(mb, layout)
             dev = logp.device
             old, adv = _cat(mb, "old_logp").to(dev), _cat(mb, "advantages").to(dev)
-            loss, stats = policy_loss(
+            surrogate, stats = policy_loss(
                 logp,
                 old,
                 adv,
@@ -521,6 +539,7 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
                 return_stats=True,
                 cu_seqlens=_cu(mb, dev),
             )
+            loss = surrogate
             if cfg.kl_in_loss and cfg.kl_coef:
                 ref = _cat(mb, "ref_logp").to(dev)
                 kl = kl_penalty(logp, ref, cfg.kl_estimator)
@@ -531,7 +550,8 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
                 loss = loss - cfg.entropy_coef * ent_mean
             # DeepSpeed averages over its dp x ring ranks: scale back to a sum of global shares
             accumulate(engine, loss * loss_weight * layout.ds_dp_size, i == len(mbs) - 1)
-        totals["policy_loss"] += loss.item() * loss_weight
+        totals["policy_loss"] += surrogate.item() * loss_weight
+        totals["actor_loss"] += loss.item() * loss_weight
         totals["entropy"] += ent_mean.item() * weight
         totals["clip_fraction"] += stats["clip_frac"].item() * weight
         totals["approx_kl"] += stats["approx_kl"].item() * weight
@@ -667,8 +687,11 @@ def train(cfg: PPOConfig) -> dict:
     pad = s.tokenizer.pad_token_id
     positions = prompt_positions(cfg, s.layout)
     metrics: dict = {}
-    # step 1 logs the greedy reward before any update; later eval steps after theirs
-    before = evaluate(s, gen, reward, eval_rows, cfg) if (eval_rows and start == 0) else {}
+    # step 1 also logs the greedy reward before any update (eval_reward_before); eval steps
+    # (and the last step) log eval_reward after their update
+    before = {}
+    if eval_rows and start == 0:
+        before = {"eval_reward_before": evaluate(s, gen, reward, eval_rows, cfg)["eval_reward"]}
     for step in s.progress(start):
         t0 = time.perf_counter()
         # a seeded shuffle per pass over the prompts; responses are seeded by step and position,
@@ -733,16 +756,22 @@ def train(cfg: PPOConfig) -> dict:
         }
         if step == 1:
             metrics.update(before)
-        elif eval_rows and s.is_eval_step(step):
+        if eval_rows and s.is_eval_step(step):
             metrics.update(evaluate(s, gen, reward, eval_rows, cfg))
-        s.end_step(step, metrics, engine, show=("reward_mean", "kl", "eval_reward"))
+        show = ("reward_mean", "kl", "eval_reward_before", "eval_reward")
+        s.end_step(step, metrics, engine, show=show)
         if s.layout.is_main and texts:
             s.sample_line(step, texts[0], samples[0].reward)
     s.finish(
         engine,
         lm,
         prefix="lm.",
-        plot=[("reward_mean", "eval_reward"), ("kl",), ("policy_loss",), ("entropy",)],
+        plot=[
+            ("reward_mean", "eval_reward_before", "eval_reward"),
+            ("kl",),
+            ("policy_loss", "actor_loss"),
+            ("entropy",),
+        ],
     )
     return metrics
 

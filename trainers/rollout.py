@@ -201,6 +201,9 @@ class HFGenerationEngine:
                 attention_mask=mask.to(device),
                 max_new_tokens=max_new_tokens,
                 use_cache=True,
+                # Hub Gemma-2 generation configs ask for "hybrid" (a static cache), which
+                # rlhf_kernels attention refuses; the dynamic cache gives the same tokens
+                cache_implementation="dynamic",
                 pad_token_id=pad,
                 eos_token_id=tok.eos_token_id,
                 synced_gpus=self.synced,

@@ -195,6 +195,8 @@ class Session:
                     self.tokenizer, text, cfg.input_template, cfg.apply_chat_template
                 )
                 where = f"prompt row {i} (0-based) of the {what}, {text[:40]!r},"
+                if not ids:  # generation needs at least one token to condition on
+                    raise ValueError(f"{where} has no tokens (an empty prompt)")
                 if len(ids) > cfg.max_len:
                     raise ValueError(
                         f"{where} has {len(ids)} tokens, more than --max-len {cfg.max_len}"
@@ -259,6 +261,12 @@ class Session:
                     f"--reward-model {cfg.reward_model!r} is not a reward model (expected a "
                     f"*ForSequenceClassification with one label, as saved by trainers.rm; got "
                     f"architectures {archs})"
+                )
+            problem = _tokenizer_mismatch(self.tokenizer, cfg.reward_model, rcfg)
+            if problem:
+                common.fail(
+                    f"--reward-model {cfg.reward_model!r} {problem}: it scores the policy's "
+                    f"token ids, so it needs the policy's tokenizer"
                 )
             from rlhf_kernels.integrations.hf import register
 
@@ -448,3 +456,34 @@ class Session:
     def print(self, message: str) -> None:
         if self.layout.is_main:
             print(message, file=sys.stderr, flush=True)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _tokenizer_mismatch(policy_tok, path: str, rcfg) -> str:
+    """Why a reward model at ``path`` cannot read the policy's token ids ('' when it can): its
+    saved tokenizer numbers some policy token differently (extra tokens of its own are fine),
+    or (no tokenizer saved) its embedding is smaller than the policy's vocabulary."""
+    from transformers import AutoTokenizer
+
+    tok = None
+    # without tokenizer files some families (GPT-2, Qwen2) build a near-empty tokenizer
+    if any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # a missing sentencepiece / tiktoken, a broken file
+            return f"has a tokenizer that does not load ({type(e).__name__}: {e})"
+    if tok is not None:
+        theirs = tok.get_vocab()
+        differ = [t for t, i in policy_tok.get_vocab().items() if theirs.get(t) != i]
+        if differ:
+            return (
+                f"has a tokenizer with another vocabulary than the policy's ({len(differ)} "
+                f"policy tokens numbered differently or missing, e.g. {differ[:3]})"
+            )
+        return ""
+    size = getattr(rcfg, "vocab_size", None)
+    if isinstance(size, int) and size < len(policy_tok):
+        return f"has vocab_size {size}, fewer than the policy tokenizer's {len(policy_tok)} tokens"
+    return ""

@@ -327,9 +327,13 @@ _SCAN_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_scalars(**scalars) -> None:
+    """``gamma`` / ``lam``: numbers in [0, 1] (a discount above 1 makes returns grow with the
+    horizon; NaN would fill every advantage with NaN)."""
     for name, x in scalars.items():
-        if not is_real(x, finite=True):
-            raise TypeError(f"{name} must be a finite number, got {type(x).__name__} {x!r}")
+        if not is_real(x):
+            raise TypeError(f"{name} must be a number in [0, 1], got {type(x).__name__} {x!r}")
+        if not 0 <= x <= 1:  # also NaN
+            raise ValueError(f"{name} must be in [0, 1], got {x!r}")
 
 
 def _validate(name_tensors, cu_seqlens, mask, backend):
@@ -429,7 +433,7 @@ def gae(
             (with ``mask``); any float dtype.
         values: critic values, ``rewards``' shape and device; any float dtype (computed in
             the wider of the two dtypes, half types in float32; outputs in ``rewards``' dtype).
-        gamma: discount factor. lam: GAE lambda.
+        gamma: discount factor, lam: GAE lambda; numbers in [0, 1] (ValueError otherwise).
         cu_seqlens: int32/int64 ``(S + 1,)`` boundaries of the packed sequences, ending at ``N``
             (a list of ints is converted).
         mask: ``(N,)`` or ``(B, T)`` 0/1 (bool or numeric; other values raise) token mask;
