@@ -55,6 +55,7 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
             f"hidden_states has {hidden_states.shape[0]} tokens but indices {indices.shape[0]}"
         )
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    indices = indices.long()  # flash-attn / transformers index with int32 indices too
     return out.index_copy(0, indices, hidden_states).view(batch, seqlen, *hidden_states.shape[1:])
 
 

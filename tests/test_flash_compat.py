@@ -79,6 +79,7 @@ def test_dense_drop_in_equals_float64_reference(causal, window):
     q, k, v = _leaves(q0, k0, v0)
     out, lse, none = rk.flash_attn_func(q, k, v, 0.0, None, causal, window, 0.0, None, False, True)
     assert none is None and out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq)
+    assert lse.is_contiguous()  # flash-attn's is a fresh tensor: lse.view(b, -1) works
     qr, kr, vr = _leaves(*(t.double().flatten(0, 1) for t in (q0, k0, v0)))
     cu_q = torch.arange(b + 1, dtype=torch.int32) * sq
     cu_k = torch.arange(b + 1, dtype=torch.int32) * sk

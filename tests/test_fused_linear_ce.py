@@ -171,3 +171,23 @@ def test_negative_class_weights_match_torch():
     got = FusedLinearCrossEntropyLoss(cw, label_smoothing=0.1)(w, x, y, b)
     want, _, _ = _torch_ce(x, w, b, y, weight=cw.double(), label_smoothing=0.1)
     torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_autocast_with_fp32_weight(reduction):
+    """An AMP loop (fp32 lm_head weight, bf16 activations under autocast) works as with Liger:
+    the operands are cast to the autocast dtype, like the model's own lm_head matmul."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 8, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(10, 8, generator=g).requires_grad_()
+    y = torch.randint(0, 10, (6,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_linear_cross_entropy(h, w, y, reduction=reduction)
+        mod = FusedLinearCrossEntropyLoss(reduction=reduction)(w, h, y)
+    want = F.cross_entropy((h.float() @ w.bfloat16().float().T), y, reduction=reduction)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mod, want, rtol=1e-4, atol=1e-4)
+    got.sum().backward()
+    assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="weight dtype must equal"):  # outside autocast: refused
+        fused_linear_cross_entropy(h, w, y)

@@ -265,3 +265,22 @@ def test_fused_loss_hands_out_its_gradients_once():
     assert torch.allclose(h.grad, ref_h.grad) and torch.allclose(w.grad, ref_w.grad)
     with pytest.raises(RuntimeError, match="run the loss again"):
         (3.0 * loss).backward()
+
+
+def test_autocast_casts_the_operands():
+    """Under torch.autocast the lm_head operands take the autocast dtype (as the model's own
+    lm_head would) and the logit blocks stay fp32: the same as calling with bf16 operands."""
+    from rlhf_kernels import linear_logprobs, linear_nll_loss
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 8, generator=g, requires_grad=True)
+    w = torch.randn(12, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 12, (5,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_logprobs(h, w, y)
+        loss = linear_nll_loss(hidden=h[None], weight=w, labels=y[None])
+    want = linear_logprobs(h.bfloat16(), w.bfloat16(), y)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(loss, -want.mean(), rtol=1e-6, atol=1e-6)
+    loss.backward()
+    assert h.grad.dtype == w.grad.dtype == torch.float32

@@ -22,6 +22,8 @@ def test_unpad_pad_roundtrip_and_grad():
     torch.testing.assert_close(back, x * 2 * mask[..., None, None])
     back.sum().backward()
     torch.testing.assert_close(x.grad, 2.0 * mask[..., None, None].float().expand_as(x))
+    # int32 indices, as flash-attn's and transformers' pad_input take them
+    torch.testing.assert_close(pad_input(h * 2, idx.int(), 3, 5), back)
 
 
 def test_unused_mask_counts_in_cu_not_in_seqused():

@@ -110,4 +110,4 @@ def flash_attn_func(
     out = out.view(b, sq, *out.shape[1:])
     if not return_attn_probs:
         return out
-    return out, lse.view(lse.shape[0], b, sq).transpose(0, 1), None
+    return out, lse.view(lse.shape[0], b, sq).transpose(0, 1).contiguous(), None  # as flash-attn

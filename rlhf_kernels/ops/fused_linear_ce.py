@@ -36,7 +36,7 @@ import torch
 
 from rlhf_kernels._checks import is_real
 from rlhf_kernels.ops import linear_logprobs as lse_mod
-from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss
+from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss, under_autocast
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -52,6 +52,7 @@ class CrossEntropyOutput:
     predicted_tokens: torch.Tensor | None = None
 
 
+@under_autocast
 def fused_linear_cross_entropy(
     input: torch.Tensor,
     weight: torch.Tensor,

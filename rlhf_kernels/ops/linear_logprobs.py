@@ -54,6 +54,7 @@ losses leave those tokens out. Other out-of-range labels: ValueError where check
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -688,6 +689,35 @@ def _check(
     check_label_range(labels, weight.shape[0], ignore_index, CHECK_LABELS_ON_CUDA)
 
 
+def under_autocast(fn):
+    """Under ``torch.autocast`` on the first argument's device, the lm_head matmul's operands
+    (first, second argument and ``bias``) are cast to the autocast dtype, as the model's own
+    ``lm_head`` (and Liger) would, and the op runs with autocast off (its fp32 logit blocks and
+    accumulators stay fp32); gradients flow back through the casts in the params' dtype."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        dev = getattr(getattr(first, "device", None), "type", None)
+        if dev is None or not torch.is_autocast_enabled(dev):
+            return fn(*args, **kwargs)
+        dt = torch.get_autocast_dtype(dev)
+
+        def cast(t):
+            return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        args = (*(cast(a) for a in args[:2]), *args[2:])
+        kwargs = {k: cast(v) if k in _AMP_KWARGS else v for k, v in kwargs.items()}
+        with torch.autocast(dev, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+_AMP_KWARGS = ("hidden", "weight", "bias", "input", "lin_weight", "_input")
+
+
+@under_autocast
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -749,6 +779,7 @@ def linear_logprobs(
     return (logp, ent.view(lead)) if return_entropy else logp
 
 
+@under_autocast
 def linear_nll_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -795,6 +826,7 @@ def linear_nll_loss(
     return _nan_if_bad(loss, bad, wt)
 
 
+@under_autocast
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
