@@ -426,8 +426,12 @@ def test_check_values_names_flag_column_and_row():
     )
     with pytest.raises(ValueError, match=r"--output-key 'r': row 1 \(0-based\) of the data"):
         data.check_values(ds, {"--input-key": "p", "--output-key": "r"}, "data")
-    with pytest.raises(ValueError, match="--margin-key 'm': row 1.*expected a number"):
+    with pytest.raises(ValueError, match="--margin-key 'm': row 1.*expected a finite number"):
         data.check_values(ds, {"--margin-key": "m"}, "data")
+    for bad in (float("nan"), float("inf")):  # one NaN margin used to make every weight NaN
+        nan = datasets.Dataset.from_list([{"m": 1.0}, {"m": bad}])
+        with pytest.raises(ValueError, match="--margin-key 'm': row 1.*expected a finite number"):
+            data.check_values(nan, {"--margin-key": "m"}, "data")
     digits = datasets.Dataset.from_list([{"p": "q", "r": 42}])  # a CSV of digits: int64
     data.check_values(digits, {"--input-key": "p", "--output-key": "r"}, "data")
 
@@ -446,6 +450,20 @@ def test_chat_message_prompts(tok):
     assert tok.decode(ids) == want and "[{" not in want
     with pytest.raises(ValueError, match="needs --apply-chat-template"):
         render_prompt(tok, msgs, None, False)
+    # content must be text (None rendered as an empty turn)
+    empty = datasets.Dataset.from_list([{"p": [{"role": "user", "content": None}], "r": "x"}])
+    with pytest.raises(ValueError, match="--input-key 'p': row 0"):
+        data.check_values(empty, keys, "data", chat_flag="--input-key")
+    # a message the template refuses is a ValueError naming the prompt, not a jinja traceback
+    bad = [{"role": "tool", "content": "abcd"}]
+    try:
+        tok.apply_chat_template(bad, add_generation_prompt=True, tokenize=False)
+    except Exception as e:
+        assert not isinstance(e, ValueError)
+        with pytest.raises(ValueError, match="chat template fails on the prompt"):
+            render_prompt(tok, bad, None, True)
+    else:
+        pytest.skip("the tiny template accepts a tool turn")
 
 
 @pytest.mark.parametrize(

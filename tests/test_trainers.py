@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,6 +134,7 @@ def test_rm_default_run_learns_preferences(tmp_path):
     assert m[-1]["eval_accuracy"] >= 0.75, m[-1]
     model = AutoModelForSequenceClassification.from_pretrained(out / "model")
     assert model.config.num_labels == 1 and model.config.is_reward_model
+    assert model.config.reward_stats_from == "evaluation"
     assert (
         model.config.reward_std > 0
         and abs(model.config.reward_mean - m[-1]["eval_reward_mean"]) < 1e-6
@@ -491,3 +493,62 @@ def test_help_documents_every_flag(capsys):
         text = capsys.readouterr().out
         for flag in wanted + extra:
             assert flag in text, flag
+
+
+@pytest.mark.slow
+def test_rm_reports_what_it_leaves_out(tmp_path):
+    """Rows identical to a held-out row and pairs whose chosen and rejected are the same tokens
+    are left out with a count (both used to vanish silently); a resumed run with no steps left
+    saves the evaluation set's reward statistics, not the training pairs'."""
+    rows = [json.loads(x) for x in (ROOT / "trainers/data/preference_toy.jsonl").open()][:40]
+    rows += rows[:10]  # duplicates: some land in the holdout
+    rows.append({"prompt": "same", "chosen": "abc", "rejected": "abc", "margin": 0.0})
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    args = ["--dataset", str(data), "--eval-ratio", "0.2", "--max-steps", "2", "--batch-size", "8"]
+    args += ["--logger", "none", "--save-steps", "2"]
+    proc = run_trainer("rm", args, out)
+    said = proc.stdout + proc.stderr
+    assert "dropped 1 pairs whose chosen and rejected are the same tokens" in said, said
+    dup = re.search(r"dropped (\d+) training rows identical to a held-out row", said)
+    assert dup and int(dup.group(1)) >= 1, said
+    cfg = json.loads((out / "model" / "config.json").read_text())
+    last = metrics(out)[-1]
+    assert cfg["reward_stats_from"] == "evaluation"
+    assert cfg["reward_mean"] == pytest.approx(last["eval_reward_mean"], abs=1e-6)
+    shutil.rmtree(out / "model")  # as a crash during the final save would
+    run_trainer("rm", args + ["--resume"], out)
+    again = json.loads((out / "model" / "config.json").read_text())
+    assert again["reward_mean"] == pytest.approx(last["eval_reward_mean"], abs=1e-5)
+
+
+def test_a_non_finite_loss_stops_before_saving(tmp_path):
+    """A NaN / inf loss ends the run with one error line before a checkpoint (or the final
+    model) could save non-finite weights; the step is logged first."""
+    from types import SimpleNamespace
+
+    from trainers.session import Session
+
+    logged, saved = [], []
+    s = SimpleNamespace(
+        layout=SimpleNamespace(device=torch.device("cpu"), world=1),
+        logger=SimpleNamespace(log=lambda m, step: logged.append(step), close=lambda: None),
+        _bar=SimpleNamespace(set_postfix=lambda d: None),
+        cfg=SimpleNamespace(save_steps=1, output_dir=str(tmp_path)),
+    )
+    engine = SimpleNamespace(save_checkpoint=lambda *a, **k: saved.append(a))
+    for key in ("loss", "policy_loss", "value_loss"):
+        with pytest.raises(SystemExit):
+            Session.end_step(s, 3, {key: float("nan")}, engine)
+    with pytest.raises(SystemExit):
+        Session.end_step(s, 4, {"loss": float("inf")}, engine)
+    assert logged == [3, 3, 3, 4] and saved == []
+
+
+@pytest.mark.slow
+def test_sft_counts_samples_cut_before_their_eos(tmp_path):
+    args = ["--max-len", "12", "--max-steps", "1", "--max-samples", "64", "--batch-size", "8"]
+    proc = run_trainer("sft", args + ["--logger", "none", "--eval-ratio", "0"], tmp_path)
+    cut = re.search(r"(\d+) training samples are cut at --max-len 12", proc.stdout + proc.stderr)
+    assert cut and int(cut.group(1)) > 0, proc.stdout + proc.stderr

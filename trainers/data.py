@@ -8,6 +8,7 @@ unless truncation cut it off (SFT only; pairs always keep it so a reward is read
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -184,11 +185,16 @@ def check_template(input_template: str | None, flag: str = "input_template") -> 
 
 
 def is_chat(value) -> bool:
-    """A list of chat messages (``{"role": ..., "content": ...}`` dicts)."""
+    """A list of chat messages (``{"role": ..., "content": ...}`` dicts, text content)."""
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(m, Mapping) and {"role", "content"} <= m.keys() for m in value)
+        and all(
+            isinstance(m, Mapping)
+            and {"role", "content"} <= m.keys()
+            and isinstance(m["content"], str)
+            for m in value
+        )
     )
 
 
@@ -203,9 +209,10 @@ def check_values(
         if column is None:
             continue
         for i, value in enumerate(ds[column]):
-            if flag == "--margin-key":
+            if flag == "--margin-key":  # NaN would turn every weight into NaN
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-                want = "a number"
+                ok = ok and math.isfinite(value)
+                want = "a finite number"
             else:
                 ok = isinstance(value, (str, int)) and not isinstance(value, bool)
                 ok = ok or (flag == chat_flag and is_chat(value))
@@ -250,7 +257,13 @@ def render_prompt(
         messages = [{"role": "user", "content": text}]
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("apply_chat_template: expected a tokenizer with a chat_template, got none")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja2's TemplateError (a role the template refuses...)
+        raise ValueError(
+            f"--apply-chat-template: the tokenizer's chat template fails on the prompt "
+            f"{str(text)[:60]!r} ({type(e).__name__}: {e})"
+        ) from None
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers >= 5: BatchEncoding
         out = out["input_ids"]
     if hasattr(out, "tolist"):

@@ -50,7 +50,9 @@ class Pair:
     margin: float = 0.0
 
 
-def tokenize(rows, tokenizer, cfg: RMConfig) -> tuple[list[Pair], int]:
+def tokenize(rows, tokenizer, cfg: RMConfig, same: list | None = None):
+    """Rows -> ``(pairs, dropped)``: ``dropped`` counts prompts filling --max-len; a pair whose
+    chosen and rejected tokenize the same is left out (one entry appended to ``same``)."""
     out, dropped = [], 0
     pk = cfg.prompt_key or cfg.input_key
     for row in rows:
@@ -65,6 +67,10 @@ def tokenize(rows, tokenizer, cfg: RMConfig) -> tuple[list[Pair], int]:
         )
         if enc is None:
             dropped += 1
+            continue
+        if enc["chosen_ids"] == enc["rejected_ids"]:  # no preference to learn (maybe cut short)
+            if same is not None:
+                same.append(1)
             continue
         margin = float(row[cfg.margin_key]) if cfg.margin_key else 0.0
         out.append(Pair(torch.tensor(enc["chosen_ids"]), torch.tensor(enc["rejected_ids"]), margin))
@@ -172,11 +178,14 @@ def train(cfg: RMConfig) -> dict:
         "--rejected-key": cfg.rejected_key,
         "--margin-key": cfg.margin_key,
     }
+    same: list = []  # pairs whose chosen and rejected tokenize the same: dropped, counted
     train_set, eval_set = s.load_data(
         keys,
-        lambda rows: tokenize(rows, s.tokenizer, cfg),
+        lambda rows: tokenize(rows, s.tokenizer, cfg, same),
         lengths=lambda p: len(p.chosen) + len(p.rejected),
     )
+    if same:
+        s.print(f"dropped {len(same)} pairs whose chosen and rejected are the same tokens")
     model = s.load_score_model()  # *ForSequenceClassification, seeded fresh score head
     engine, start = s.build(RewardModel(model))
     engine.train()  # from_pretrained returns eval mode: the config's dropout applies in training
@@ -206,11 +215,17 @@ def train(cfg: RMConfig) -> dict:
             last_eval = evaluate(engine, eval_set, cfg, s.layout, pad)
             metrics.update(last_eval)
         s.end_step(step, metrics, engine)
-    stats = last_eval or evaluate(engine, train_set[: 4 * cfg.batch_size], cfg, s.layout, pad)
+    # the saved reward statistics are the evaluation set's (computed now when no eval step ran in
+    # this process, e.g. a resume with no steps left); without one, the first training pairs'
+    source = "evaluation" if eval_set else f"training (first {4 * cfg.batch_size} pairs)"
+    stats = last_eval or evaluate(
+        engine, eval_set or train_set[: 4 * cfg.batch_size], cfg, s.layout, pad
+    )
     extra = {
         "is_reward_model": True,
         "reward_mean": stats["eval_reward_mean"],
         "reward_std": stats["eval_reward_std"],
+        "reward_stats_from": source,
     }
     s.finish(
         engine,

@@ -10,6 +10,7 @@ check, and ends every rank with one ``error:`` line and exit code 2 before the m
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -152,7 +153,15 @@ class Session:
             data.check_values(eval_rows, keys, "evaluation dataset", chat)
             if check is not None:
                 check(eval_rows, f"evaluation data (--eval-split {cfg.eval_split or 'train'!r})")
-        return data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+        train, held = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+        held_out = len(held) if eval_rows is None and held is not None else 0  # from rows
+        same = len(rows) - len(train) - held_out
+        if same:
+            self.print(
+                f"dropped {same} training rows identical to a held-out row (evaluation stays "
+                f"on rows never trained on)"
+            )
+        return train, held
 
     def load_data(self, keys: dict, tokenize, lengths):
         """Rows -> tokenized train and eval samples; every problem is an ``error:`` exit."""
@@ -401,6 +410,15 @@ class Session:
     ) -> None:
         metrics["peak_mem_mb"] = peak_memory_mb(self.layout)
         self.logger.log(metrics, step)
+        # the losses are global (reduced over the ranks): every rank stops here together, before
+        # a checkpoint or the final model could save non-finite weights over good ones
+        bad = [k for k in ("loss", "policy_loss", "value_loss") if not _finite(metrics.get(k))]
+        if bad:
+            self.logger.close()
+            common.fail(
+                f"step {step}: {', '.join(bad)} is {metrics[bad[0]]} (not finite); the earlier "
+                f"checkpoints in {self.cfg.output_dir} are kept (lower --lr, check the data)"
+            )
         self._bar.set_postfix({k: f"{metrics[k]:.4f}" for k in show if k in metrics})
         every = self.cfg.save_steps
         if every > 0 and step % every == 0:
@@ -487,3 +505,7 @@ def _tokenizer_mismatch(policy_tok, path: str, rcfg) -> str:
     if isinstance(size, int) and size < len(policy_tok):
         return f"has vocab_size {size}, fewer than the policy tokenizer's {len(policy_tok)} tokens"
     return ""
+
+
+def _finite(x) -> bool:
+    return x is None or math.isfinite(x)

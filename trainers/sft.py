@@ -123,6 +123,10 @@ def train(cfg: SFTConfig) -> dict:
         lambda rows: tokenize(rows, s.tokenizer, cfg),
         lengths=lambda sample: len(sample.ids),
     )
+    eos = s.tokenizer.eos_token_id
+    cut = sum(1 for smp in train_set if int(smp.ids[-1]) != eos)
+    if cut:  # the start is kept: the model never sees these samples end
+        s.print(f"{cut} training samples are cut at --max-len {cfg.max_len} (no EOS trained)")
     from trainers.modeling import CausalLMLoss
 
     lm = s.load_causal_lm()
