@@ -491,3 +491,19 @@ def test_reward_positions_follow_transformers():
     assert reward_positions(seqs, pad_id=0) == [2, 2, 1, 0]
     assert reward_positions(seqs, pad_id=1) == [1, 0, 1, 0]
     assert reward_positions(seqs, pad_id=None) == [2, 2, 1, 0]
+
+
+def test_csv_columns_are_text(tmp_path):
+    """CSV has no types: digits stay the text they were ("0007" used to train on "7"), and a
+    margin column of number text is read as numbers."""
+    f = tmp_path / "pairs.csv"
+    f.write_text("prompt,chosen,rejected,margin\ncount,0007,0008,1.5\nnext,12,13,-2\n")
+    ds = load_mixture(str(f), None, "train", 0, None)
+    assert ds["chosen"] == ["0007", "12"] and ds["margin"] == ["1.5", "-2"]
+    data.check_values(ds, {"--chosen-key": "chosen", "--margin-key": "margin"}, "data")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt,margin\na,1\nb,nan\n")
+    with pytest.raises(ValueError, match="--margin-key 'margin': row 1.*finite number"):
+        data.check_values(
+            load_mixture(str(bad), None, "train", 0, None), {"--margin-key": "margin"}, "d"
+        )

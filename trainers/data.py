@@ -7,6 +7,7 @@ unless truncation cut it off (SFT only; pairs always keep it so a reward is read
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
@@ -49,8 +50,13 @@ def _load_one(item: str, split: str) -> datasets.Dataset:
             )
         if path.stat().st_size == 0:
             raise ValueError(f"dataset {item!r}: the file is empty (no rows)")
+        kwargs = {}
+        if builder == "csv":  # CSV has no types: every column is text ("0007" stays "0007")
+            with path.open(newline="") as f:
+                header = next(csv.reader(f), [])
+            kwargs["features"] = datasets.Features({c: datasets.Value("string") for c in header})
         try:
-            loaded = datasets.load_dataset(builder, data_files=str(path))
+            loaded = datasets.load_dataset(builder, data_files=str(path), **kwargs)
         except DatasetGenerationError as e:  # malformed JSON / CSV / parquet
             cause = e.__cause__ or e
             raise ValueError(f"dataset {item!r}: cannot be read as {builder}: {cause}") from None
@@ -210,8 +216,7 @@ def check_values(
             continue
         for i, value in enumerate(ds[column]):
             if flag == "--margin-key":  # NaN would turn every weight into NaN
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-                ok = ok and math.isfinite(value)
+                ok = _finite_number(value)
                 want = "a finite number"
             else:
                 ok = isinstance(value, (str, int)) and not isinstance(value, bool)
@@ -229,6 +234,16 @@ def check_values(
                     f"{flag} {column!r}: row {i} (0-based) of the {what} holds "
                     f"{type(value).__name__} {shown}, expected {want}{hint}"
                 )
+
+
+def _finite_number(value) -> bool:
+    """An int/float, or number text (a CSV column), that is finite."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def render_prompt(
