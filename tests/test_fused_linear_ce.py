@@ -181,10 +181,12 @@ def test_autocast_with_fp32_weight(reduction):
     h = torch.randn(6, 8, generator=g).bfloat16().requires_grad_()
     w = torch.randn(10, 8, generator=g).requires_grad_()
     y = torch.randint(0, 10, (6,), generator=g)
+    b = torch.randn(10, generator=g).requires_grad_()  # fp32 bias, positional: cast too
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = fused_linear_cross_entropy(h, w, y, reduction=reduction)
-        mod = FusedLinearCrossEntropyLoss(reduction=reduction)(w, h, y)
-    want = F.cross_entropy((h.float() @ w.bfloat16().float().T), y, reduction=reduction)
+        got = fused_linear_cross_entropy(h, w, y, b, reduction=reduction)
+        mod = FusedLinearCrossEntropyLoss(reduction=reduction)(w, h, y, b)
+    logits = h.float() @ w.bfloat16().float().T + b.bfloat16().float()
+    want = F.cross_entropy(logits, y, reduction=reduction)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(mod, want, rtol=1e-4, atol=1e-4)
     got.sum().backward()

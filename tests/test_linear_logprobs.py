@@ -276,10 +276,11 @@ def test_autocast_casts_the_operands():
     h = torch.randn(5, 8, generator=g, requires_grad=True)
     w = torch.randn(12, 8, generator=g, requires_grad=True)
     y = torch.randint(0, 12, (5,), generator=g)
+    b = torch.randn(12, generator=g, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = linear_logprobs(h, w, y)
-        loss = linear_nll_loss(hidden=h[None], weight=w, labels=y[None])
-    want = linear_logprobs(h.bfloat16(), w.bfloat16(), y)
+        got = linear_logprobs(h, w, y, b)  # bias positional
+        loss = linear_nll_loss(hidden=h[None], weight=w, labels=y[None], bias=b)
+    want = linear_logprobs(h.bfloat16(), w.bfloat16(), y, b.bfloat16())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(loss, -want.mean(), rtol=1e-6, atol=1e-6)
     loss.backward()

@@ -55,6 +55,7 @@ losses leave those tokens out. Other out-of-range labels: ValueError where check
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 
@@ -695,26 +696,25 @@ def under_autocast(fn):
     ``lm_head`` (and Liger) would, and the op runs with autocast off (its fp32 logit blocks and
     accumulators stay fp32); gradients flow back through the casts in the params' dtype."""
 
+    sig = inspect.signature(fn)
+    operands = (*list(sig.parameters)[:2], "bias")  # (hidden or input, weight, bias)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        first = args[0] if args else next(iter(kwargs.values()), None)
+        first = args[0] if args else kwargs.get(operands[0])
         dev = getattr(getattr(first, "device", None), "type", None)
         if dev is None or not torch.is_autocast_enabled(dev):
             return fn(*args, **kwargs)
         dt = torch.get_autocast_dtype(dev)
-
-        def cast(t):
-            return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-        args = (*(cast(a) for a in args[:2]), *args[2:])
-        kwargs = {k: cast(v) if k in _AMP_KWARGS else v for k, v in kwargs.items()}
+        bound = sig.bind(*args, **kwargs)
+        for name in operands:
+            t = bound.arguments.get(name)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                bound.arguments[name] = t.to(dt)
         with torch.autocast(dev, enabled=False):
-            return fn(*args, **kwargs)
+            return fn(*bound.args, **bound.kwargs)
 
     return wrapper
-
-
-_AMP_KWARGS = ("hidden", "weight", "bias", "input", "lin_weight", "_input")
 
 
 @under_autocast
