@@ -350,6 +350,23 @@ def test_compiled_ops_still_check_the_mask():
             _compiled(fn)(x, bad)
 
 
+def test_compiled_padded_layout_matches_eager_and_refuses_window_holes():
+    """The traced unpadding op returns eager's indices and cu_seqlens; a sliding window still
+    refuses padding between real tokens (it would shrink distances)."""
+    from rlhf_kernels.ops.compiled import padded_layout
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    for all_queries in (False, True):
+        want = hf._padded_layout_uncached(mask, 5, 5, all_queries)[0][:4]
+        got = _compiled(lambda m: padded_layout(m, 5, 5, True, all_queries))(mask)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert _compiled(lambda m: padded_layout(m, 5, 5, False, False))(holes)[2].tolist() == [0, 4, 9]
+    with pytest.raises(Exception, match="contiguous"):
+        _compiled(lambda m: padded_layout(m, 5, 5, True, False))(holes)
+
+
 def test_nll_op_without_gradients_runs_no_backward_pass(monkeypatch):
     """The compiled NLL op's fallback (vocabulary too large for one block) makes no gradient
     pass when nothing needs a gradient (no_grad, evaluation)."""

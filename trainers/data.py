@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import random
 from collections.abc import Mapping
 from pathlib import Path
 
 import datasets
 from datasets.exceptions import DatasetGenerationError
+
+from rlhf_kernels._checks import is_real
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -243,7 +244,7 @@ def _finite_number(value) -> bool:
             value = float(value)
         except ValueError:
             return False
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_real(value, finite=True)
 
 
 def render_prompt(

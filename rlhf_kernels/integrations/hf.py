@@ -447,15 +447,15 @@ def _padded_layout(mask, s_q: int, s_k: int, windowed: bool, all_queries: bool =
                 if windowed and holes:
                     raise _holes_error()
                 return layout
-    *layout, holes = _padded_layout_uncached(mask, s_q, s_k, False, all_queries, with_holes=True)
+    layout, holes = _padded_layout_uncached(mask, s_q, s_k, all_queries)
     with _MASK_CACHE_LOCK:
         _MASK_CACHE[:] = [
             *_MASK_CACHE[-1:],
-            (weakref.ref(mask), _version(mask), key, (tuple(layout), holes)),
+            (weakref.ref(mask), _version(mask), key, (layout, holes)),
         ]
     if windowed and holes:
         raise _holes_error()
-    return tuple(layout)
+    return layout
 
 
 def _holes_error() -> ValueError:
@@ -466,9 +466,9 @@ def _holes_error() -> ValueError:
     )
 
 
-def _padded_layout_uncached(mask, s_q, s_k, windowed, all_queries=False, with_holes=False):
-    """``(idx_q, idx_k, cu_q, cu_k, max_q, max_k)`` (+ whether some row has padding between
-    real tokens, with ``with_holes``); ``windowed`` raises on such holes. One host read."""
+def _padded_layout_uncached(mask, s_q: int, s_k: int, all_queries: bool = False):
+    """``((idx_q, idx_k, cu_q, cu_k, max_q, max_k), holes)``: ``holes`` tells whether some row
+    has padding between real tokens (sliding windows refuse it). One host read."""
     mask_k = mask[:, -s_k:].bool()
     if all_queries:
         mask_q = torch.ones(mask.shape[0], s_q, dtype=torch.bool, device=mask.device)
@@ -481,10 +481,8 @@ def _padded_layout_uncached(mask, s_q, s_k, windowed, all_queries=False, with_ho
     max_q, max_k, most_runs = (
         int(x) for x in torch.stack([n_q.max(), n_k.max(), runs.max()]).tolist()
     )
-    if windowed and most_runs > 1:
-        raise _holes_error()
     layout = idx_q, idx_k, _cu_from_counts(n_q), _cu_from_counts(n_k), max_q, max_k
-    return (*layout, most_runs > 1) if with_holes else layout
+    return layout, most_runs > 1
 
 
 def padding_mask(

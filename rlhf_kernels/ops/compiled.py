@@ -169,9 +169,11 @@ def _(position_ids):
 def padded_layout(
     mask: Tensor, s_q: int, s_k: int, windowed: bool, all_queries: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from rlhf_kernels.integrations.hf import _padded_layout_uncached
+    from rlhf_kernels.integrations.hf import _holes_error, _padded_layout_uncached
 
-    idx_q, idx_k, cu_q, cu_k, _, _ = _padded_layout_uncached(mask, s_q, s_k, windowed, all_queries)
+    (idx_q, idx_k, cu_q, cu_k, _, _), holes = _padded_layout_uncached(mask, s_q, s_k, all_queries)
+    if windowed and holes:
+        raise _holes_error()
     return idx_q, idx_k, cu_q, cu_k
 
 
