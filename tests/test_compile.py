@@ -359,7 +359,7 @@ def test_compiled_padded_layout_matches_eager_and_refuses_window_holes():
     holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     for all_queries in (False, True):
         want = hf._padded_layout_uncached(mask, 5, 5, all_queries)[0][:4]
-        got = _compiled(lambda m: padded_layout(m, 5, 5, True, all_queries))(mask)
+        got = _compiled(lambda m, a=all_queries: padded_layout(m, 5, 5, True, a))(mask)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
     assert _compiled(lambda m: padded_layout(m, 5, 5, False, False))(holes)[2].tolist() == [0, 4, 9]

@@ -479,12 +479,12 @@ def test_help_documents_every_flag(capsys):
     from trainers import rm, sft
 
     wanted = """--model --dataset --dataset-probs --split --eval-dataset --eval-split --eval-ratio
-    --max-samples --input-key --output-key --input-template --apply-chat-template --max-len
+    --max-samples --input-key --input-template --apply-chat-template --max-len
     --batch-size --micro-batch-tokens --no-packing --ring-attn-size --ring-layout --zero-stage
     --offload --tp-size --dtype --lr --epochs --max-steps --seed --gradient-checkpointing
     --output-dir --save-steps --eval-steps --resume --logger --config""".split()
     for main, extra in (
-        (sft.main, []),
+        (sft.main, ["--output-key"]),
         (rm.main, ["--chosen-key", "--rejected-key", "--prompt-key", "--margin-key"]),
     ):
         with pytest.raises(SystemExit) as e:
@@ -493,6 +493,7 @@ def test_help_documents_every_flag(capsys):
         text = capsys.readouterr().out
         for flag in wanted + extra:
             assert flag in text, flag
+        assert ("--output-key" in text) == (main is sft.main)  # the RM reads chosen/rejected
 
 
 @pytest.mark.slow

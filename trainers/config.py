@@ -45,7 +45,6 @@ class TrainConfig:
         "prompt",
         "column holding the prompt (text, or chat messages with --apply-chat-template)",
     )
-    output_key: str = _f("response", "column holding the response (SFT)")
     input_template: str | None = _f(
         None,
         "prompt template for str.format with one '{}' where the prompt goes, e.g. 'Q: {}\\nA: ' "

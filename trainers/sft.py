@@ -21,6 +21,7 @@ from trainers.engine import accumulate, optimizer_step
 
 @dataclass
 class SFTConfig(TrainConfig):
+    output_key: str = field(default="response", metadata={"help": "column holding the response"})
     output_dir: str = field(
         default="runs/sft",
         metadata={"help": "metrics.jsonl, TensorBoard, plot, checkpoints and the model"},
