@@ -17,6 +17,7 @@ from trainers.data import (
     load_mixture,
     make_default_path,
     render_prompt,
+    render_response,
     split_train_eval,
     tokenize_pair,
     tokenize_sft,
@@ -351,6 +352,43 @@ def test_tokenize_sft_mask_and_eos(tok):
     n = len(render_prompt(tok, "reverse: abcd", None, True))
     assert chat["input_ids"][n - 1] == 4 and chat["input_ids"][-1] == tok.eos_token_id
     assert chat["loss_mask"] == [0] * n + [1] * (len(chat["input_ids"]) - n)
+
+
+# a Qwen/ChatML-like template: the assistant turn ends with its own marker (<|system|>, id 5,
+# stands in for <|im_end|>) and a newline, not with the tokenizer's EOS
+END_OF_TURN = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{% else %}<|assistant|>"
+    "{% endif %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<|system|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_chat_template_responses_end_with_the_templates_end_of_turn(tiny_dir):
+    """With --apply-chat-template the trained response is the template's assistant turn: its
+    end-of-turn marker is learnt (generation stops there), then one EOS; a template that ends
+    turns with EOS (the bundled one) gets no second EOS."""
+    chatml = AutoTokenizer.from_pretrained(tiny_dir)
+    chatml.chat_template = END_OF_TURN
+    resp = chatml.encode("dcba", add_special_tokens=False)
+    eos = chatml.eos_token_id
+    assert render_response(chatml, "abcd", "dcba", None, True) == [*resp, 5, eos]
+    assert render_response(chatml, "abcd", "dcba", None, False) == [*resp, eos]
+    bundled = AutoTokenizer.from_pretrained(tiny_dir)
+    assert render_response(bundled, "abcd", "dcba", None, True) == [*resp, eos]
+    sft = tokenize_sft(chatml, "abcd", "dcba", 64, apply_chat_template=True)
+    n = len(render_prompt(chatml, "abcd", None, True))
+    assert sft["input_ids"][n:] == [*resp, 5, eos] and sum(sft["loss_mask"]) == len(resp) + 2
+    pair = tokenize_pair(chatml, "abcd", "dcba", "1234", 64, apply_chat_template=True)
+    assert pair["chosen_ids"][n:] == [*resp, 5, eos]
+    cut = tokenize_pair(chatml, "abcd", "dcba", "1234", n + 2, apply_chat_template=True)
+    assert cut["chosen_ids"][n:] == [resp[0], eos]  # the reward is still read at an EOS
+    # a template whose answer does not start with its generation prompt cannot be cut
+    chatml.chat_template = END_OF_TURN.replace(
+        "generation_prompt %}<|assistant|>", "generation_prompt %}<|pad|>"
+    )
+    with pytest.raises(ValueError, match="without its own generation prompt"):
+        tokenize_sft(chatml, "abcd", "dcba", 64, apply_chat_template=True)
 
 
 def test_tokenize_sft_when_pad_is_eos(tiny_dir):

@@ -255,31 +255,10 @@ def render_prompt(
     adds BOS if the tokenizer does). ``text`` may be a list of chat messages (with
     ``apply_chat_template``, no template): the conversation so far, answered next; an integer
     is read as its digits."""
-    if is_chat(text):
-        if not apply_chat_template or input_template is not None:
-            raise ValueError(
-                "a prompt of chat messages needs --apply-chat-template and no --input-template"
-            )
-        messages = [dict(m) for m in text]
-    else:
-        text = str(text) if isinstance(text, int) and not isinstance(text, bool) else text
-        if not isinstance(text, str):
-            raise ValueError(f"prompt: expected text, got {type(text).__name__} {text!r:.60}")
-        check_template(input_template)
-        if input_template is not None:
-            text = input_template.format(text)
-        if not apply_chat_template:
-            return list(tokenizer.encode(text))
-        messages = [{"role": "user", "content": text}]
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("apply_chat_template: expected a tokenizer with a chat_template, got none")
-    try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # jinja2's TemplateError (a role the template refuses...)
-        raise ValueError(
-            f"--apply-chat-template: the tokenizer's chat template fails on the prompt "
-            f"{str(text)[:60]!r} ({type(e).__name__}: {e})"
-        ) from None
+    messages = _prompt_messages(text, input_template, apply_chat_template)
+    if isinstance(messages, str):
+        return list(tokenizer.encode(messages))
+    out = _chat(tokenizer, messages, text, add_generation_prompt=True, tokenize=True)
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers >= 5: BatchEncoding
         out = out["input_ids"]
     if hasattr(out, "tolist"):
@@ -287,6 +266,59 @@ def render_prompt(
     if out and isinstance(out[0], list):
         out = out[0]
     return [int(i) for i in out]
+
+
+def render_response(
+    tokenizer, prompt, response, input_template: str | None, apply_chat_template: bool
+) -> list[int]:
+    """Response token ids ending in one EOS: the response's tokens, or with
+    ``apply_chat_template`` the template's assistant turn after the generation prompt (its
+    end-of-turn marker included, trailing whitespace dropped), then EOS unless it ends so."""
+    eos = _eos_id(tokenizer)
+    messages = _prompt_messages(prompt, input_template, apply_chat_template)
+    text = str(response)
+    if not isinstance(messages, str):
+        head = _chat(tokenizer, messages, prompt, add_generation_prompt=True, tokenize=False)
+        turn = [*messages, {"role": "assistant", "content": text}]
+        full = _chat(tokenizer, turn, prompt, tokenize=False)
+        if not full.startswith(head):
+            raise ValueError(
+                f"--apply-chat-template: the tokenizer's chat template renders the answer to "
+                f"{str(prompt)[:60]!r} without its own generation prompt in front, so the "
+                f"response cannot be cut out of it"
+            )
+        text = full[len(head) :].rstrip()
+    ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    return ids if ids and ids[-1] == eos else [*ids, eos]
+
+
+def _prompt_messages(text, input_template: str | None, apply_chat_template: bool):
+    """The prompt as chat messages, or as text when no chat template applies."""
+    if is_chat(text):
+        if not apply_chat_template or input_template is not None:
+            raise ValueError(
+                "a prompt of chat messages needs --apply-chat-template and no --input-template"
+            )
+        return [dict(m) for m in text]
+    text = str(text) if isinstance(text, int) and not isinstance(text, bool) else text
+    if not isinstance(text, str):
+        raise ValueError(f"prompt: expected text, got {type(text).__name__} {text!r:.60}")
+    check_template(input_template)
+    if input_template is not None:
+        text = input_template.format(text)
+    return [{"role": "user", "content": text}] if apply_chat_template else text
+
+
+def _chat(tokenizer, messages, prompt, **kwargs):
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("apply_chat_template: expected a tokenizer with a chat_template, got none")
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as e:  # jinja2's TemplateError (a role the template refuses...)
+        raise ValueError(
+            f"--apply-chat-template: the tokenizer's chat template fails on the prompt "
+            f"{str(prompt)[:60]!r} ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _eos_id(tokenizer) -> int:
@@ -309,7 +341,8 @@ def tokenize_sft(
     input_template: str | None = None,
     apply_chat_template: bool = False,
 ) -> dict[str, list[int]] | None:
-    """``{"input_ids": prompt + response + [eos], "loss_mask": 0s then 1s}``, both <= max_len.
+    """``{"input_ids": prompt + response + [eos], "loss_mask": 0s then 1s}``, both <= max_len
+    (with a chat template the response is its assistant turn: :func:`render_response`).
 
     Truncation keeps the start (so a long response may lose its EOS). Returns None when the
     prompt alone fills ``max_len`` (no response token would be trained): callers count drops.
@@ -318,7 +351,7 @@ def tokenize_sft(
     prompt_ids = render_prompt(tokenizer, prompt, input_template, apply_chat_template)
     if len(prompt_ids) >= max_len:
         return None
-    answer = [*tokenizer.encode(str(response), add_special_tokens=False), _eos_id(tokenizer)]
+    answer = render_response(tokenizer, prompt, response, input_template, apply_chat_template)
     ids = (prompt_ids + answer)[:max_len]
     mask = ([0] * len(prompt_ids) + [1] * len(answer))[:max_len]
     return {"input_ids": ids, "loss_mask": mask}
@@ -333,7 +366,8 @@ def tokenize_pair(
     input_template: str | None = None,
     apply_chat_template: bool = False,
 ) -> dict[str, list[int]] | None:
-    """``{"chosen_ids", "rejected_ids"}``: prompt + response, cut to ``max_len - 1``, + [eos].
+    """``{"chosen_ids", "rejected_ids"}``: prompt + response (:func:`render_response` less its
+    EOS), cut to ``max_len - 1``, + [eos].
 
     The last token is always EOS (the reward is read there). Returns None when the prompt leaves
     no room for one response token and the EOS (``len(prompt_ids) + 2 > max_len``).
@@ -345,7 +379,7 @@ def tokenize_pair(
     eos = _eos_id(tokenizer)
 
     def seq(response: str) -> list[int]:
-        ids = prompt_ids + list(tokenizer.encode(str(response), add_special_tokens=False))
-        return ids[: max_len - 1] + [eos]
+        answer = render_response(tokenizer, prompt, response, input_template, apply_chat_template)
+        return (prompt_ids + answer[:-1])[: max_len - 1] + [eos]
 
     return {"chosen_ids": seq(chosen), "rejected_ids": seq(rejected)}
