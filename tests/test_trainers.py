@@ -325,6 +325,10 @@ def test_resume_after_a_crash_during_a_save_repeats_the_run(tmp_path):
             proc.stderr
         )
         assert (tmp_path / "config.json").read_text() == config
+    # so is one with other data flags: it would train on other samples than the checkpoint's run
+    proc = run_trainer("sft", args + ["--resume", "--seed", "7"], tmp_path, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "with --seed 0; this run has --seed 7: resume with the checkpoint's" in proc.stderr
     # this run's --lr replaces the checkpoint's: the schedule of the resumed steps doubles
     shutil.rmtree(ckpts / "step-000006")
     lr_at = args.index("--lr") + 1
@@ -389,6 +393,26 @@ def test_resume_refusal_names_every_flag_to_restore(tmp_path):
     want = "the checkpoint's torchrun process count, --dtype"
     assert fix(processes=4, dp=2, dtype="bf16") == want
     check_layout(tmp_path, {**saved, "new_key": 1})  # keys a checkpoint lacks are not compared
+
+
+def test_resume_refuses_other_data_flags(tmp_path):
+    from trainers.checkpoint import check_data
+    from trainers.ppo import PPOConfig
+    from trainers.session import checkpoint_data
+
+    saved = checkpoint_data(PPOConfig())
+    assert {"dataset", "rollout_batch_size", "n_samples_per_prompt", "seed"} <= saved.keys()
+    assert "lr" not in saved and "max_steps" not in saved  # this run's: may change on resume
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "data": saved}))
+    check_data(tmp_path, checkpoint_data(PPOConfig()))
+    check_data(tmp_path, checkpoint_data(PPOConfig(lr=1.0, max_steps=9)))
+    other = checkpoint_data(PPOConfig(dataset="b.jsonl", n_samples_per_prompt=4))
+    with pytest.raises(ValueError) as e:
+        check_data(tmp_path, other)
+    assert str(e.value).startswith(f"--resume: {tmp_path} was saved by a run with --dataset None, ")
+    assert "this run has --dataset 'b.jsonl', --n-samples-per-prompt 4: resume with" in str(e.value)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))  # an older checkpoint
+    check_data(tmp_path, other)
 
 
 # ----------------------------------------------------------------------------- bad input

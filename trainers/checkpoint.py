@@ -131,6 +131,25 @@ def check_layout(path: Path, layout: dict) -> None:
         )
 
 
+def check_data(path: Path, data: dict) -> None:
+    """ValueError unless this run's data flags (``data``: flag -> value, as the trainer saved
+    them) are the checkpoint's: a resumed run repeats the checkpoint's run step for step, so a
+    changed dataset, key, template, batch size or seed would silently make another run. Keys a
+    checkpoint lacks are not compared."""
+    saved = json.loads((path / "trainer_state.json").read_text()).get("data")
+    differ = [k for k in data if saved is not None and k in saved and saved[k] != data[k]]
+    if differ:
+
+        def show(x: dict) -> str:
+            return ", ".join(f"--{k.replace('_', '-')} {x[k]!r}" for k in differ)
+
+        raise ValueError(
+            f"--resume: {path} was saved by a run with {show(saved)}; this run has {show(data)}: "
+            f"resume with the checkpoint's values (or start a new run: --overwrite or another "
+            f"--output-dir)"
+        )
+
+
 def load_checkpoint(engine, path: Path, tag: str = _TAG, rng: bool = True) -> dict:
     """Restore ``engine`` (model, optimizer, scheduler) from ``tag`` and, with ``rng``, this
     rank's RNG; returns the trainer state (``step`` and what the trainer saved)."""

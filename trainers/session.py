@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 
 from trainers import common, data
-from trainers.checkpoint import check_layout, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.checkpoint import (
+    check_data,
+    check_layout,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trainers.distributed import Layout, all_ranks_ok, init_distributed, peak_memory_mb
 
 DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl", "ppo": "prompts_toy.jsonl"}
@@ -35,6 +41,21 @@ def checkpoint_layout(cfg, kind: str, layout: Layout) -> dict:
     if kind == "ppo":  # the critic's engine is saved and restored beside the actor's
         out["critic"] = cfg.advantage_estimator == "gae"
     return out
+
+
+# flags that decide which samples each step trains on and how they are scored: a resumed run
+# keeps the checkpoint's (model folders may move: not compared)
+_DATA_FLAGS = (
+    "dataset", "dataset_probs", "split", "eval_dataset", "eval_split", "eval_ratio",
+    "max_samples", "input_key", "output_key", "prompt_key", "chosen_key", "rejected_key",
+    "margin_key", "input_template", "apply_chat_template", "max_len", "batch_size",
+    "rollout_batch_size", "n_samples_per_prompt", "reward_fn", "seed",
+)  # fmt: skip
+
+
+def checkpoint_data(cfg) -> dict:
+    """This run's data flags (:data:`_DATA_FLAGS` its trainer has), saved in checkpoints."""
+    return {f: getattr(cfg, f) for f in _DATA_FLAGS if hasattr(cfg, f)}
 
 
 def apply_optimizer_flags(engine, lr: float, weight_decay: float) -> None:
@@ -76,6 +97,7 @@ class Session:
             # every rank reads the same file: all fail together, before config.json or a model
             if cfg.resume and (ckpt := latest_checkpoint(cfg.output_dir)) is not None:
                 check_layout(ckpt, checkpoint_layout(cfg, kind, layout))
+                check_data(ckpt, checkpoint_data(cfg))
         except ValueError as e:
             common.fail(str(e))
         common.seed_everything(cfg.seed)
@@ -428,6 +450,7 @@ class Session:
             state = {
                 "total_steps": self.total,
                 "layout": checkpoint_layout(self.cfg, self.kind, self.layout),
+                "data": checkpoint_data(self.cfg),
             }
             save_checkpoint(engines, self.cfg.output_dir, step, state)
 
