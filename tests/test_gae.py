@@ -102,6 +102,32 @@ def test_gae_gradients_match_loop(backend):
     torch.testing.assert_close(v2.grad.double(), v1.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_reverse_scan_half_precision_and_bad_input():
+    """Half inputs are scanned in float32 and returned in their dtype (as documented: the torch
+    backend used to scan in fp16, auto refused it in C++); bad input names the argument."""
+    g = torch.Generator().manual_seed(3)
+    x, c = torch.randn(3, 64, generator=g), torch.rand(3, 64, generator=g)
+    ref = gae_mod.reverse_scan_loop(x.double(), c.double())
+    for dtype in (torch.float16, torch.bfloat16):
+        xh, ch = x.to(dtype), c.to(dtype)
+        exact = gae_mod.reverse_scan_loop(xh.double(), ch.double())  # the rounded inputs' scan
+        for backend in ("auto", "torch"):
+            y = reverse_scan(xh, ch, backend=backend)
+            assert y.dtype == dtype
+            # only the output rounding remains: within one ulp of the exact scan
+            eps = torch.finfo(dtype).eps
+            torch.testing.assert_close(y.double(), exact, atol=1e-6, rtol=eps)
+            assert (y.double() - ref).abs().max() < 0.1
+    for args, match in (
+        ((x[0], c[0]), r"x must be a \(B, T\) float tensor, got torch.float32 tensor of shape"),
+        ((x, c[:, :3]), "coef must have x's shape"),
+        ((x, c.double()), "and dtype torch.float32, got"),
+        ((x.long(), c), "x must be a"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            reverse_scan(*args)
+
+
 def test_reverse_scan_coef_gradient():
     x = torch.randn(2, 19, dtype=torch.float64, requires_grad=True)
     c = (torch.rand(2, 19, dtype=torch.float64) * 0.9).requires_grad_()

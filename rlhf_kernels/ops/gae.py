@@ -318,8 +318,19 @@ def reverse_scan(x: torch.Tensor, coef: torch.Tensor, backend: str = "auto") -> 
         backend: ``"auto"`` (native op, else Triton on CUDA, else torch) or one backend by name.
     Returns: ``y`` ``(B, T)`` in x's dtype (half precisions are computed in float32).
     """
-    b = _pick_backend(backend, x)
-    return _ReverseScan.apply(x, coef, b)
+    for n, t in (("x", x), ("coef", coef)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
+            got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if torch.is_tensor(t) else type(t)
+            raise ValueError(f"reverse_scan: {n} must be a (B, T) float tensor, got {got}")
+    if coef.shape != x.shape or coef.dtype != x.dtype:
+        raise ValueError(
+            f"reverse_scan: coef must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+            f"{tuple(coef.shape)} {coef.dtype}"
+        )
+    check_same_device(x=x, coef=coef)
+    work = x.dtype if x.dtype in _SCAN_DTYPES else torch.float32
+    xw, cw = x.to(work), coef.to(work)
+    return _ReverseScan.apply(xw, cw, _pick_backend(backend, xw)).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- layouts
