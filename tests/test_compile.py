@@ -23,8 +23,6 @@ def _compiled(fn):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_varlen_attention_fullgraph_fwd_bwd(backend, return_lse):
-    if return_lse and backend == "torch":
-        pytest.skip("return_lse under compile is a Triton-backend feature")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(37, 4, 16, generator=g)
     k, v = torch.randn(37, 2, 16, generator=g), torch.randn(37, 2, 16, generator=g)

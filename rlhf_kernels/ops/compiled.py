@@ -12,10 +12,11 @@ nonzero of a padding mask) happens inside the ops at run time, exactly as in eag
 bad input still raises, before any work.
 
 - ``rlhf_kernels::varlen_attention_fwd`` -> ``(out, lse)``; lse is ``(heads, total_q)`` fp32 for
-  the Triton backend (the backward reuses it) and empty for the others.
+  the Triton backend (the backward reuses it) or when the caller asks for it (``with_lse``),
+  else empty.
 - ``rlhf_kernels::varlen_attention_bwd`` -> ``(dq, dk, dv)``: the Triton backward kernels from the
   saved ``out``/``lse`` (and the lse's gradient), or for the other backends a recomputed forward
-  under autograd.
+  under autograd (through the lse too when it was returned).
 - ``rlhf_kernels::segments_from_position_ids`` -> int32 ``cu_seqlens`` (data-dependent length).
 - ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
   mask (data-dependent lengths).
@@ -61,23 +62,29 @@ def varlen_attention_fwd(
     softcap: float,
     backend: str,
     deterministic: bool,
+    with_lse: bool = False,
 ) -> tuple[Tensor, Tensor]:
     from rlhf_kernels.ops.varlen_attention import varlen_attention
 
     res = varlen_attention(
         q, k, v, cu_q, cu_k, max_q if max_q >= 0 else None, max_k if max_k >= 0 else None,
         softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap,
-        return_lse=backend == "triton", backend=backend, deterministic=deterministic,
+        return_lse=_has_lse(backend, with_lse), backend=backend, deterministic=deterministic,
     )  # fmt: skip
-    if backend == "triton":
+    if _has_lse(backend, with_lse):
         return res[0].clone(), res[1].clone()  # outputs must not alias (eager) internals
     return res.clone(), q.new_empty(0, dtype=torch.float32)
 
 
+def _has_lse(backend: str, with_lse: bool) -> bool:
+    return backend == "triton" or with_lse
+
+
 @varlen_attention_fwd.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, backend, det):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, backend, det,
+      with_lse=False):  # fmt: skip
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    if backend == "triton":
+    if _has_lse(backend, with_lse):
         return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     return out, q.new_empty(0, dtype=torch.float32)
 
@@ -116,13 +123,15 @@ def varlen_attention_bwd(
     def fwd(q, k, v):
         return varlen_attention(
             q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal, window_size=(left, right),
-            softcap=softcap, backend=backend, deterministic=deterministic,
+            softcap=softcap, return_lse=dlse is not None, backend=backend,
+            deterministic=deterministic,
         )  # fmt: skip
 
     # recompute this backend's forward and differentiate it (torch.func: the op body runs
     # below the autograd dispatch key, where plain autograd would record nothing)
     _, vjp = torch.func.vjp(fwd, q, k, v)
-    return tuple(g.contiguous() for g in vjp(dout))
+    grads = vjp(dout) if dlse is None else vjp((dout, dlse))
+    return tuple(g.contiguous() for g in grads)
 
 
 @varlen_attention_bwd.register_fake
@@ -132,19 +141,19 @@ def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, 
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, _, _, *params = inputs  # scale, causal, ..., backend, deterministic
+    q, k, v, cu_q, cu_k, _, _, *params = inputs  # scale, causal, ..., deterministic, with_lse
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
-    ctx.params = tuple(params)
+    ctx.params = tuple(params[:-1])
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    # the lse is returned (and differentiable) only on the triton backend, as in eager mode
+    # the lse is differentiable wherever it was returned (triton always, others on request)
     dlse = dlse.contiguous() if dlse is not None and lse.numel() else None
     dq, dk, dv = varlen_attention_bwd(
         dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse
     )
-    return dq, dk, dv, *(None,) * 11
+    return dq, dk, dv, *(None,) * 12
 
 
 torch.library.register_autograd(
@@ -196,18 +205,17 @@ def compiled_varlen_attention(
     deterministic=False,
 ):  # fmt: skip
     """The traced path of ``varlen_attention`` (backend already resolved, no dropout)."""
+    if return_lse and backend == "flash_attn":  # its lse has no gradient: not traced
+        raise ValueError(
+            "return_lse under torch.compile needs backend='triton' or 'torch', got "
+            "backend='flash_attn'"
+        )
     out, lse = varlen_attention_fwd(
         q, k, v, cu_q, cu_k, -1 if max_q is None else int(max_q),
         -1 if max_k is None else int(max_k), float(scale), bool(causal), int(window_size[0]),
-        int(window_size[1]), float(softcap), backend, bool(deterministic),
+        int(window_size[1]), float(softcap), backend, bool(deterministic), bool(return_lse),
     )  # fmt: skip
-    if not return_lse:
-        return out
-    if backend != "triton":
-        raise ValueError(
-            f"return_lse under torch.compile needs backend='triton', got backend={backend!r}"
-        )
-    return out, lse
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- RL math
