@@ -511,6 +511,16 @@ def _case_review_fixes(rank, world):
                 pad_values={"input_ids": 2.7},
             )
         )  # fmt: skip
+    # a pad outside the key's integer range: refused before sending (was torch's overflow error
+    # on every rank after every micro-batch had travelled)
+    small = [{"input_ids": torch.ones(5, dtype=torch.int8)} for _ in range(2)]
+    with pytest.raises(ValueError if rank == 0 else RuntimeError, match=r"\[-128, 127\]"):
+        list(
+            scatter_for_ring(
+                small if rank == 0 else None, src=0, token_keys=["input_ids"],
+                pad_values={"input_ids": 1000},
+            )
+        )  # fmt: skip
     # int64 ids, then int32 ids in a later micro-batch
     mixed = [{"input_ids": torch.ones(400, dtype=torch.long)} for _ in range(6)]
     mixed += [{"input_ids": torch.ones(400, dtype=torch.int32)} for _ in range(6)]
@@ -527,6 +537,12 @@ def _case_review_fixes(rank, world):
         list(distributed_rollouts(prompts, _generate))
     with pytest.raises(RuntimeError, match="timeout must be a number"):
         list(distributed_rollouts([1, 2], _generate, timeout=-1 if rank == 1 else 30))
+    # prompts without a length on one rank: every rank hears it at once (the others used to
+    # wait for the timeout)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\]: rank 0: TypeError"):
+        list(distributed_rollouts(iter([1, 2]) if rank == 0 else [1, 2], _generate, timeout=60))
+    out["iterator_s"] = time.perf_counter() - t0
     return out
 
 
@@ -566,6 +582,7 @@ def test_three_ranks_all_cases():
     assert sum(res[r]["_case_scatter_pad_values"] for r in range(3)) > 0  # pads were checked
     for r in range(3):  # a per-sample view travels as one element (it was 80 kB each)
         assert res[r]["_case_review_fixes"]["view_nbytes"] == {4}, res[r]["_case_review_fixes"]
+        assert res[r]["_case_review_fixes"]["iterator_s"] < 30  # not the 60 s timeout
     # each rank receives ~1/3 of the token bytes; together ~all of them (pads only)
     for key in res[0]["_case_scatter"]:
         full = res[0]["_case_scatter"][key][1]

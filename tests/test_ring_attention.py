@@ -4,12 +4,14 @@ Each world size is spawned once; its workers run every case and send back their 
 """
 
 import functools
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
+from rlhf_kernels.ring import attention as ring_attention
 from rlhf_kernels.ring import validate
 from rlhf_kernels.ring.attention import ring_varlen_attention
 from rlhf_kernels.ring.gather import gather_from_ring, ring_token_mean
@@ -285,6 +287,34 @@ def _validation_is_cached(rank, world):
         validate.all_gather_flat = real
 
 
+def _gathered_peak(rank, world):
+    """allgather mode with kv_head_stride=1: the largest number of gathered K/V groups alive at
+    once, forward and backward (the current one and the prefetched next: 2; it used to be 3)."""
+    live = {"now": 0, "peak": 0}
+    real = ring_attention._allgather
+
+    def tracked(spec, x):
+        work, out = real(spec, x)
+        base = out if out._base is None else out._base
+        n = base.numel() * base.element_size()
+        live["now"] += n
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(base, lambda: live.__setitem__("now", live["now"] - n))
+        return work, out
+
+    ring_attention._allgather = tracked
+    try:
+        plan = RingPlan.build(_cu(LENGTHS), world)
+        q = torch.randn(plan.local_len, 8, 8, requires_grad=True)
+        k = torch.randn(plan.local_len, 4, 8, requires_grad=True)
+        out = ring_varlen_attention(q, k, k, plan, comm="allgather", kv_head_stride=1)
+        out.sum().backward()
+    finally:
+        ring_attention._allgather = real
+    group = world * plan.local_len * 2 * 8 * 4  # (W, 2, L, 1, D) fp32
+    return live["peak"] / group
+
+
 def _worker(rank, world):
     return (
         _attention_cases(rank, world),
@@ -292,6 +322,7 @@ def _worker(rank, world):
         _helper_cases(rank, world),
         _bf16_cases(rank, world),
         _validation_is_cached(rank, world),
+        _gathered_peak(rank, world),
     )
 
 
@@ -318,7 +349,8 @@ def test_ring_attention_matches_single_device(world):
     # bad input: every rank raised (the last rank's own error, or the group-wide one)
     bf16 = results[0][3]
     assert len(bf16) == 8 and max(bf16.values()) <= 2.0, bf16
-    for rank, (_, r, helpers, _, cached) in enumerate(results):
+    for rank, (_, r, helpers, _, cached, gathered) in enumerate(results):
+        assert gathered == 2, gathered  # kv_head_stride bounds the gathered K/V to two groups
         assert cached[:3] == [1, 3, 4] and cached[4] == 4, cached
         assert cached[3] and "local_len" in cached[3] and "earlier calls" in cached[3], cached
         assert helpers["all"] and helpers["dst"] and helpers["gather_after"]

@@ -442,9 +442,12 @@ def _check_specs(name: str, specs: list, first: list, pad_values: dict) -> None:
             value = pad_values.get(key)
             if value is None or dtype.is_floating_point or dtype.is_complex:
                 continue
-            if value != int(value) or (dtype == torch.bool and value not in (0, 1)):
+            info = None if dtype == torch.bool else torch.iinfo(dtype)
+            fits = (0, 1) if info is None else (info.min, info.max)
+            if value != int(value) or not fits[0] <= value <= fits[1]:
                 raise ValueError(
-                    f"{name}: pad_values[{key!r}]={value!r} does not fit {key!r}'s {dtype}"
+                    f"{name}: pad_values[{key!r}]={value!r} does not fit {key!r}'s {dtype} "
+                    f"(integers in [{fits[0]}, {fits[1]}])"
                 )
     elif specs != first:
         raise ValueError(

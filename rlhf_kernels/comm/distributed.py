@@ -65,15 +65,16 @@ def distributed_rollouts(
         the ranks were given different numbers of prompts; what the streams raise.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error, mine = None, None
+    error, mine, n_prompts = None, None, -1
     try:
         if not _timeout_ok(timeout):
             bad, timeout = timeout, None  # this rank's exchange waits as long as the group's
             raise ValueError(f"timeout must be a number of seconds > 0 or None, got {bad!r}")
+        n_prompts = len(prompts)  # an iterator raises here: in the try, so every rank hears
         mine = list(generate(local_share(prompts, rank, world)))
     except Exception as exc:  # every rank must hear of it, or the others wait forever
         error = exc
-    _exchange_status(error, len(prompts), group, timeout)
+    _exchange_status(error, n_prompts, group, timeout)
     for owner in range(world):
         samples = _consume(mine) if rank == owner else None
         if token_keys is None:

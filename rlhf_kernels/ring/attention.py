@@ -148,12 +148,14 @@ def _ring_forward(spec, q, k, v):
         hq = slice(h0 * g, h1 * g)
         for src in range(spec.world):
             spec.forward_block(qc[:, hq], kv[src, 0], kv[src, 1], src, acc_o[:, hq], acc_lse[hq])
+        del kv  # else it lives on beside the next group and the one prefetched after it
     return acc_o, acc_lse
 
 
 def _gathered_head_groups(spec, k, v):
     """Yield ``(h0, h1, kv)`` per group of KV heads, kv ``(W, 2, L, h1 - h0, D)`` from every rank;
-    the next group's all_gather is in flight while the caller computes on the current one."""
+    the next group's all_gather is in flight while the caller computes on the current one (the
+    caller drops ``kv`` before the next step, so two groups are alive at most)."""
     groups = _head_groups(k.shape[1], spec.stride)
     pending = _allgather(spec, torch.stack([k[:, : groups[0][1]], v[:, : groups[0][1]]]))
     for i, (h0, h1) in enumerate(groups):
@@ -216,8 +218,10 @@ def _ring_backward(spec, q, k, v, out, lse, dout, dlse=None):
                 dkv[src, 0],
                 dkv[src, 1],
             )
+        del kv  # as in the forward: two gathered groups alive at most
         mine = _reduce_scatter(spec, dkv)
         dk[:, h0:h1], dv[:, h0:h1] = mine[0], mine[1]
+        del dkv, mine
     return dq, dk, dv
 
 
@@ -304,7 +308,9 @@ def ring_varlen_attention(
         comm: ``"p2p"`` (K/V around the ring, overlapped) or ``"allgather"`` (K/V gathered per
             group of ``kv_head_stride`` KV heads, dK/dV reduce-scattered).
         kv_head_stride: KV heads gathered at once in allgather mode (None: all). Smaller bounds the
-            memory of the gathered K/V to ``world * local_len * stride * head_dim`` per tensor.
+            gathered K/V to two groups (the current one and the prefetched next) of
+            ``world * local_len * stride * head_dim`` per tensor, and in backward one fp32 dK/dV
+            accumulator of one group.
         tile: largest query/key tile of the block math (memory ``heads * tile^2`` in fp32).
         validate: check arguments and plan agreement across the group first (one all_gather of
             32 ints and a host sync); every rank raises the same error instead of hanging. Done
