@@ -23,9 +23,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
-import os
 import statistics
-import sys
 import time
 
 import pytest
@@ -264,9 +262,11 @@ def _plot(rows, path):
 
 
 def main(argv=None):
-    from bench.report import collect_machine_info
+    from bench.report import collect_machine_info, results_stem, script_args
 
-    quick = "--quick" in (argv or sys.argv[1:])
+    args = script_args(argv, __doc__)
+    quick = args.quick
+    stem = str(results_stem("comm-cpu", quick, args.force))
     payloads = (20, 50) if quick else (100, 400, 1000)
     worlds = (2, 3) if quick else (2, 3, 4)
     chunk = 16 << 20
@@ -276,8 +276,6 @@ def main(argv=None):
     overlap = run_gloo(overlap_worker, 2, 50 if quick else 200, chunk, 0.02)[1]
     print(f"overlap (receiver, W=2): {overlap}", flush=True)
     date = datetime.date.today().isoformat()
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    stem = os.path.join(out_dir, f"comm-cpu-{date}")
     report = {
         "topic": "comm",
         "machine": {**collect_machine_info(), "note": "2-core CPU sandbox, shared"},

@@ -76,6 +76,8 @@ from bench.report import (  # noqa: E402
     machine_tag,
     proc_memory_kb,
     reset_peak_rss,
+    results_stem,
+    script_args,
 )
 from rlhf_kernels import FusedLinearCrossEntropyLoss, linear_policy_loss  # noqa: E402
 
@@ -531,8 +533,11 @@ def main(argv: list[str]) -> int:
         except Skip as e:
             print(f"SKIP {e}")
         return 0
-    quick = "--quick" in argv
-    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
+    cli = script_args(argv, __doc__, rounds=3)
+    quick, rounds = cli.quick, cli.rounds
+    info = collect_machine_info()
+    info["torch_threads"] = THREADS
+    out = results_stem(f"liger-{machine_tag(info)}", quick, cli.force)
     torch.set_num_threads(THREADS)
     why = liger_missing()
     if why:
@@ -580,12 +585,7 @@ def main(argv: list[str]) -> int:
     rows = summarize(mem, times)
     rat = ratios(rows)
     tg = targets(rat)
-    info = collect_machine_info()
-    info["torch_threads"] = THREADS
     date = _dt.date.today().isoformat()
-    out = (
-        ROOT / "bench" / "results" / f"liger-{machine_tag(info)}{'-quick' if quick else ''}-{date}"
-    )
     report = dict(
         group="liger",
         date=date,

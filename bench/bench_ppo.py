@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
-import sys
 
 import pytest
 
@@ -94,9 +93,11 @@ def main(argv=None) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.report import collect_machine_info
+    from bench.report import collect_machine_info, results_stem, script_args
 
-    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    cli = script_args(argv, __doc__)
+    quick = cli.quick
+    out = results_stem("ppo-rollout-cpu", quick, cli.force)
     rows = []
     for world, dist in CONFIGS:
         print(f"ring {world}, {dist}...", flush=True)
@@ -110,7 +111,6 @@ def main(argv=None) -> dict:
         "flags": " ".join(args(quick)),
         "results": rows,
     }
-    out = ROOT / "bench" / "results" / f"ppo-rollout-cpu-{date}"
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     labels = [f"ring {r['ring']}\n{r['distribution']}" for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))

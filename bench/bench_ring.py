@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
-import sys
 import time
 
 import pytest
@@ -271,8 +269,11 @@ def _plot(rows, path):
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    quick = "--quick" in argv
+    from bench.report import results_stem, script_args
+
+    cli = script_args(argv, __doc__)
+    quick = cli.quick
+    out = str(results_stem("ring-cpu", quick, cli.force))
     lengths = (512, 1024) if quick else (1024, 2048, 4096, 8192)
     from bench.report import collect_machine_info
 
@@ -285,7 +286,6 @@ def main(argv=None) -> int:
         note="2-core CPU sandbox, shared with other jobs; 1 thread per rank; fp32; "
         f"heads={HEADS}, kv_heads={KV_HEADS}, head_dim={HEAD_DIM}; causal zigzag",
     )
-    out = os.path.join(os.path.dirname(__file__), "results", f"ring-cpu-{date}")
     with open(out + ".json", "w") as f:
         json.dump(data, f, indent=1)
     _plot(data["rows"], out + ".png")

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import proc_memory_kb, reset_peak_rss  # noqa: E402
+from bench.report import proc_memory_kb, reset_peak_rss, results_stem, script_args  # noqa: E402
 from rlhf_kernels.ops.advantages import group_advantages  # noqa: E402
 from rlhf_kernels.ops.gae import (  # noqa: E402
     discounted_returns,
@@ -343,8 +343,11 @@ def main(argv: list[str]) -> int:
         case, method, device, quick = argv[1], argv[2], argv[3], argv[4] == "1"
         print("RESULT " + json.dumps(worker(case, method, device, quick)))
         return 0
-    quick = "--quick" in argv
+    cli = script_args(argv, __doc__)
+    quick = cli.quick
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    tag = "cpu" if device == "cpu" else torch.cuda.get_device_name().lower().replace(" ", "-")
+    out = results_stem(f"rl_math-{tag}", quick, cli.force)
     cases = dict(CASES)
     if device == "cuda" and not quick:
         cases = {
@@ -391,9 +394,7 @@ def main(argv: list[str]) -> int:
                     else None
                 ),
             )
-    tag = "cpu" if device == "cpu" else torch.cuda.get_device_name().lower().replace(" ", "-")
     date = _dt.date.today().isoformat()
-    out = ROOT / "bench" / "results" / f"rl_math-{tag}{'-quick' if quick else ''}-{date}"
     report = dict(
         group="rl_math",
         date=date,

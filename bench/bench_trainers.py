@@ -175,9 +175,11 @@ def main(argv=None) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.report import collect_machine_info
+    from bench.report import collect_machine_info, results_stem, script_args
 
-    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    cli = script_args(argv, __doc__)
+    quick = cli.quick
+    out = results_stem("trainers-sft-cpu", quick, cli.force)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (args, nproc) in configurations(Path(tmp), quick).items():
@@ -207,7 +209,6 @@ def main(argv=None) -> dict:
         "results": results,
         "summary": summary,
     }
-    out = ROOT / "bench" / "results" / f"trainers-sft-cpu-{date}"
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     names = list(results)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))

@@ -145,6 +145,34 @@ def machine_tag(info: dict) -> str:
     return re.sub(r"^nvidia-", "", slug) or "gpu"
 
 
+def script_args(argv: list[str] | None, doc: str, rounds: int | None = None):
+    """The command line of a bench script: ``--quick``, ``--force`` (and ``--rounds`` when the
+    script takes it). ``--help`` prints it; an unknown flag is an error (it used to start the
+    full benchmark, which then wrote over the committed results of the day)."""
+    ap = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="small shapes: a smoke run (file *-quick)")
+    ap.add_argument(
+        "--force", action="store_true", help="overwrite a results file of the same name (today's)"
+    )
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds, help="timed rounds per case")
+    return ap.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+def results_stem(name: str, quick: bool, force: bool, date: str | None = None) -> Path:
+    """``bench/results/<name>[-quick]-<date>`` (no suffix), checked before any work: an existing
+    ``.json`` of that name is kept unless ``force``."""
+    date = date or _dt.date.today().isoformat()
+    stem = DEFAULT_OUT / f"{name}{'-quick' if quick else ''}-{date}"
+    if stem.with_suffix(".json").exists() and not force:
+        raise SystemExit(
+            f"{stem.with_suffix('.json')} exists (committed results?): pass --force to overwrite"
+        )
+    return stem
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", name).strip("_") or "ungrouped"
 

@@ -113,6 +113,32 @@ def test_report_writes_json_and_png(tmp_path):
     assert report.main(["--raw", str(tmp_path / "missing.json")]) == 1
 
 
+@pytest.mark.parametrize(
+    "script",
+    ["bench_comm", "bench_liger", "bench_ppo", "bench_ring", "bench_rl_math", "bench_trainers"],
+)
+def test_bench_scripts_parse_their_flags_and_keep_results(script, tmp_path, monkeypatch, capsys):
+    """--help prints the flags and an unknown flag is an error, before any work (both used to
+    start the full benchmark); a results file of the day is kept unless --force."""
+    import importlib
+
+    mod = importlib.import_module(f"bench.{script}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "--force" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--quick", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    monkeypatch.setattr(report, "DEFAULT_OUT", tmp_path)
+    (tmp_path / "x-quick-2026-01-02.json").write_text("{}")
+    with pytest.raises(SystemExit, match="exists .* pass --force to overwrite"):
+        report.results_stem("x", True, False, date="2026-01-02")
+    assert (
+        report.results_stem("x", True, True, date="2026-01-02") == tmp_path / "x-quick-2026-01-02"
+    )
+    assert report.results_stem("x", False, False, date="2026-01-02") == tmp_path / "x-2026-01-02"
+
+
 def _timed_call_lines(fn: ast.FunctionDef) -> list[int]:
     return [
         n.lineno

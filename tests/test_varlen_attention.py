@@ -315,6 +315,16 @@ def test_bad_option_types(over, exc, match):
         varlen_attention(**_args(), **over)
 
 
+def test_numpy_bool_causal_is_a_bool():
+    """``causal=np.bool_(True)`` (a flag read from a NumPy config) was refused as 'not a bool'."""
+    np = pytest.importorskip("numpy")
+    a = _args()
+    for flag in (True, False):
+        torch.testing.assert_close(
+            varlen_attention(**a, causal=np.bool_(flag)), varlen_attention(**a, causal=flag)
+        )
+
+
 def test_softcap_none_is_off_and_float64_takes_large_caps():
     a = _args()
     off = varlen_attention(**a, causal=True)

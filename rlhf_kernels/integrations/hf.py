@@ -590,8 +590,16 @@ def register(name: str = ATTN_NAME, backend: str = "auto") -> str:
             ``"flash_attn"``).
     Returns: ``name``, for ``from_pretrained(..., attn_implementation=register())``.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        import transformers
+
+        raise ImportError(
+            f"rlhf_kernels.integrations.hf needs transformers >= 5.23 (AttentionMaskInterface), "
+            f"got {transformers.__version__}: pip install 'rlhf-kernels[hf]'"
+        ) from e
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -21,6 +21,7 @@ import operator
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -260,11 +261,12 @@ def _window_pair(window_size) -> tuple[int, int]:
 
 def scalar_problem(softmax_scale, causal, softcap, dtype: torch.dtype) -> str:
     """What is wrong with the scalar options ('' when nothing): ``softmax_scale`` None or a
-    finite number, ``causal`` a bool, ``softcap`` a number in ``[0, max]`` of the dtype the
-    scores are computed in (fp32, fp64 for fp64 inputs; larger caps overflow to NaN there)."""
+    finite number, ``causal`` a bool (NumPy's too), ``softcap`` a number in ``[0, max]`` of the
+    dtype the scores are computed in (fp32, fp64 for fp64 inputs; larger caps overflow to NaN
+    there)."""
     if softmax_scale is not None and not is_real(softmax_scale, finite=True):
         return f"softmax_scale must be a finite number or None, got {softmax_scale!r}"
-    if not isinstance(causal, bool):
+    if not isinstance(causal, (bool, np.bool_)):  # not truthy values: a 0/1 tensor is refused
         return f"causal must be a bool, got {type(causal).__name__} {causal!r}"
     big = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
     if not (is_real(softcap) and 0 <= softcap <= big):  # also rejects NaN and inf
@@ -426,6 +428,7 @@ def varlen_attention(
     )
     if problem:
         raise (TypeError if problem.startswith("causal") else ValueError)(problem)
+    causal = bool(causal)
     if isinstance(q, torch.Tensor):  # lists are converted; other types fail in the checks
         cu_seqlens_q = as_cu_seqlens(cu_seqlens_q, q.device, "cu_seqlens_q")
         cu_seqlens_k = as_cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k")
