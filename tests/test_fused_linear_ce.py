@@ -56,6 +56,8 @@ def test_clear_errors():
         FusedLinearCrossEntropyLoss(reduction="avg")
     with pytest.raises(ValueError, match="softcap must be None or > 0"):
         FusedLinearCrossEntropyLoss(softcap=0.0)
+    with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\], got None"):
+        fused_linear_cross_entropy(x, w, y, label_smoothing=None)
     with pytest.raises(ValueError, match="target must have input's leading shape"):
         fused_linear_cross_entropy(x, w, y.view(-1))
     with pytest.raises(ValueError, match="labels must lie in"):

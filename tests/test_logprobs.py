@@ -102,8 +102,10 @@ def test_bad_input():
         logprobs_from_logits(z.long(), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\)"):
         logprobs_from_logits(z, torch.tensor([0, 1, 10, 2]))
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    with pytest.raises(ValueError, match="temperature must be a number > 0"):
         logprobs_from_logits(z, torch.zeros(4, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="temperature must be a number > 0, got None"):
+        logprobs_from_logits(z, torch.zeros(4, dtype=torch.long), temperature=None)
     with pytest.raises(ValueError, match="backend must be one of"):
         logprobs_from_logits(z, torch.zeros(4, dtype=torch.long), backend="cuda")
 

@@ -190,8 +190,10 @@ def test_bad_input():
         policy_loss(x, x, x[:, :2], m)
     with pytest.raises(ValueError, match="got neither"):
         policy_loss(x, x, x)
-    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+    with pytest.raises(ValueError, match="dual_clip must be a number > 1"):
         policy_loss(x, x, x, m, dual_clip=0.5)
+    with pytest.raises(ValueError, match="clip_low < 1 and clip_high >= 0, got None, 0.2"):
+        policy_loss(x, x, x, m, clip_low=None)  # a named error, not Python's '<=' TypeError
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]"):
         value_loss(x.view(-1), x.view(-1), x.view(-1), cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="mask must have values's shape"):

@@ -308,6 +308,7 @@ def test_oversized_max_seqlen_is_accepted():
         (dict(causal=None), TypeError, "causal must be a bool, got NoneType"),
         (dict(causal="no"), TypeError, "causal must be a bool, got str"),  # ran causal
         (dict(max_seqlen_q="8"), TypeError, "max_seqlen_q must be an int or None, got str"),
+        (dict(dropout_p=None), ValueError, r"dropout_p must be a number in \[0, 1\), got None"),
     ],
 )
 def test_bad_option_types(over, exc, match):

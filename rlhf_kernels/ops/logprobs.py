@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from rlhf_kernels._checks import device_guard
+from rlhf_kernels._checks import device_guard, is_real
 
 try:
     import triton
@@ -309,8 +309,8 @@ def _check(logits, labels, temperature, backend, ignore_index=IGNORE_INDEX):
         )
     if labels.device != logits.device:
         raise ValueError(f"labels on {labels.device} but logits on {logits.device}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not ((is_real(temperature) or torch.is_tensor(temperature)) and temperature > 0):
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and triton is None:

@@ -13,7 +13,13 @@ import math
 
 import torch
 
-from rlhf_kernels._checks import as_cu_seqlens, check_mask, check_same_device, sequence_ids
+from rlhf_kernels._checks import (
+    as_cu_seqlens,
+    check_mask,
+    check_same_device,
+    is_real,
+    sequence_ids,
+)
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = (
@@ -219,10 +225,12 @@ def _check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length=
             raise TypeError(f"norm_length must be a number > 0 or None, got {norm_length!r}")
         if not norm_length > 0:
             raise ValueError(f"norm_length must be > 0, got {norm_length}")
-    if not (0 <= clip_low < 1 and clip_high >= 0):
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
+    if not (is_real(clip_low) and is_real(clip_high) and 0 <= clip_low < 1 and clip_high >= 0):
+        raise ValueError(
+            f"need numbers 0 <= clip_low < 1 and clip_high >= 0, got {clip_low!r}, {clip_high!r}"
+        )
+    if dual_clip is not None and not (is_real(dual_clip) and dual_clip > 1):
+        raise ValueError(f"dual_clip must be a number > 1 or None, got {dual_clip!r}")
 
 
 # ----------------------------------------------------------------------------- losses

@@ -324,8 +324,8 @@ def _check_inputs(
                 ) from None
         if given is not None and given < longest:
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not (is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     _window_pair(window_size)
     return cu_q, cu_k
 
