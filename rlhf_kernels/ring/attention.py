@@ -113,7 +113,9 @@ def _reduce_scatter(spec, full):
     out = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
     try:
         _reduce_scatter_flat(out, full.reshape(-1, *full.shape[2:]), group=spec.group)
-    except (RuntimeError, NotImplementedError):  # backends without reduce_scatter (older gloo)
+    except (RuntimeError, NotImplementedError) as e:  # backends without it (older gloo)
+        if not isinstance(e, NotImplementedError) and "support" not in str(e).lower():
+            raise  # a real failure (timeout, lost peer): no different collective on one rank
         dist.all_reduce(full, group=spec.group)
         out.copy_(full[spec.rank])
     return out
