@@ -215,3 +215,25 @@ def test_fp32_fused_and_explicit_tiles(fused, layout):
     got = _run_ring(plan, q, k, v, do, torch.float32, fused=fused, tile=16)
     for a, b in zip(got, ref):
         assert (a.double() - b).abs().max() < 1e-5
+
+
+def _dies_on_rank_one(rank, world):
+    import os
+
+    if rank == 1:
+        os._exit(7)  # as a segfault or an OOM kill: no result, no traceback
+    return rank
+
+
+@pytest.mark.multiproc
+def test_run_gloo_reports_a_worker_that_dies_at_once():
+    """A worker killed without reporting used to leave run_gloo waiting its whole timeout."""
+    import time
+
+    from rlhf_kernels.ring.spawn import run_gloo
+
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="rank 1 ---\nexited with code 7 without a result"):
+        run_gloo(_dies_on_rank_one, 2, timeout_s=120)
+    assert time.perf_counter() - t0 < 60
+    assert run_gloo(_dies_on_rank_one, 1, timeout_s=60) == [0]

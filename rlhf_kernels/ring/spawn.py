@@ -14,6 +14,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -82,16 +83,23 @@ def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int 
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
     got, errors = {}, []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout_s)
+        while len(got) < world_size and not errors:
+            try:  # short waits: a worker killed without a word (segfault, OOM) is seen at once
+                rank, ok, value = results.get(timeout=min(1.0, timeout_s))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode]
+                for r in dead:
+                    errors.append(f"--- rank {r} ---\nexited with code {procs[r].exitcode} "
+                                  "without a result (killed by a signal if negative)")  # fmt: skip
+                if not dead and time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout_s}s waiting for the workers")
+                continue
             if ok:
                 got[rank] = value
             else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-                break  # the others may be blocked on the failed rank
-    except queue.Empty:
-        errors.append(f"timed out after {timeout_s}s waiting for the workers")
+                errors.append(f"--- rank {rank} ---\n{value}")  # the others may be blocked on it
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
