@@ -106,6 +106,13 @@ def is_real(x, *, finite: bool = False, positive: bool = False) -> bool:
     return (not finite or math.isfinite(x)) and (not positive or x > 0)
 
 
+def is_scalar(x) -> bool:
+    """A real number (:func:`is_real`) or a 0-d real tensor (options users pass as tensors)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.is_complex() and x.dtype != torch.bool
+    return is_real(x)
+
+
 def all_finite(*tensors: torch.Tensor) -> bool:
     """No NaN/inf in any of ``tensors`` (one host read each: meant for CPU tensors). The fused
     CPU attention kernel writes 0 for a row with NaN scores; callers skip it when this fails."""

@@ -113,15 +113,26 @@ def test_report_writes_json_and_png(tmp_path):
     assert report.main(["--raw", str(tmp_path / "missing.json")]) == 1
 
 
-@pytest.mark.parametrize(
-    "script",
-    ["bench_comm", "bench_liger", "bench_ppo", "bench_ring", "bench_rl_math", "bench_trainers"],
-)
+SCRIPTS = {  # bench script -> its results name on a machine without a GPU
+    "bench_comm": "comm-cpu",
+    "bench_liger": "liger-cpu",
+    "bench_ppo": "ppo-rollout-cpu",
+    "bench_ring": "ring-cpu",
+    "bench_rl_math": "rl_math-cpu",
+    "bench_trainers": "trainers-sft-cpu",
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_bench_scripts_parse_their_flags_and_keep_results(script, tmp_path, monkeypatch, capsys):
     """--help prints the flags and an unknown flag is an error, before any work (both used to
-    start the full benchmark); a results file of the day is kept unless --force."""
+    start the full benchmark); the script stops before any work when today's results file of
+    its name exists, unless --force."""
+    import datetime
     import importlib
 
+    if torch.cuda.is_available():
+        pytest.skip("results names carry the GPU's name")
     mod = importlib.import_module(f"bench.{script}")
     with pytest.raises(SystemExit) as e:
         mod.main(["--help"])
@@ -130,12 +141,13 @@ def test_bench_scripts_parse_their_flags_and_keep_results(script, tmp_path, monk
         mod.main(["--quick", "--bogus"])
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
     monkeypatch.setattr(report, "DEFAULT_OUT", tmp_path)
-    (tmp_path / "x-quick-2026-01-02.json").write_text("{}")
+    today = datetime.date.today().isoformat()
+    kept = tmp_path / f"{SCRIPTS[script]}-quick-{today}.json"
+    kept.write_text("{}")
     with pytest.raises(SystemExit, match="exists .* pass --force to overwrite"):
-        report.results_stem("x", True, False, date="2026-01-02")
-    assert (
-        report.results_stem("x", True, True, date="2026-01-02") == tmp_path / "x-quick-2026-01-02"
-    )
+        mod.main(["--quick"])
+    assert kept.read_text() == "{}"
+    assert report.results_stem("x", True, True) == tmp_path / f"x-quick-{today}"
     assert report.results_stem("x", False, False, date="2026-01-02") == tmp_path / "x-2026-01-02"
 
 

@@ -389,6 +389,15 @@ def _case_scatter(rank, world):
     return out
 
 
+@pytest.mark.parametrize("value", [1000, -129, float("inf"), float("nan"), 2.5])
+def test_pad_value_outside_an_integer_key_is_named(value):
+    from rlhf_kernels.comm.broadcast import _check_specs
+
+    with pytest.raises(ValueError, match=r"pad_values\['ids'\]=.* does not fit 'ids'"):
+        _check_specs("scatter_for_ring", [("ids", torch.int8, ())], [], {"ids": value})
+    _check_specs("scatter_for_ring", [("ids", torch.int8, ())], [], {"ids": -128})
+
+
 def test_default_pad_values():
     """-100 only for signed integer label-like keys; a bool or uint8 mask named like a label
     pads with 0 (it was filled with -100 cast: True / 156, so pads counted as tokens)."""

@@ -588,3 +588,17 @@ def test_static_cache_raises_instead_of_attending_to_empty_slots(tmp_path_factor
     with pytest.raises(ValueError, match="static .*KV cache"):
         kw = dict(max_new_tokens=2, do_sample=False, cache_implementation="static")
         ours.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+
+
+def test_register_warns_below_the_tested_transformers(monkeypatch):
+    """Older releases pass other mask kwargs (no allow_is_bidirectional_skip): encoder masks
+    would be taken for causal ones without a word."""
+    import warnings
+
+    monkeypatch.setattr(hf, "_transformers_version", lambda: "4.57.1")
+    with pytest.warns(UserWarning, match="tested with transformers >= 5.23, got 4.57.1"):
+        hf.register("rlhf_kernels_old_tf")
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.register("rlhf_kernels_new_tf")  # the installed (tested) version: silent

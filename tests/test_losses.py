@@ -194,6 +194,9 @@ def test_bad_input():
         policy_loss(x, x, x, m, dual_clip=0.5)
     with pytest.raises(ValueError, match="clip_low < 1 and clip_high >= 0, got None, 0.2"):
         policy_loss(x, x, x, m, clip_low=None)  # a named error, not Python's '<=' TypeError
+    torch.testing.assert_close(  # a 0-d tensor option is a number
+        policy_loss(x, x, x, m, clip_low=torch.tensor(0.2)), policy_loss(x, x, x, m, clip_low=0.2)
+    )
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]"):
         value_loss(x.view(-1), x.view(-1), x.view(-1), cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="mask must have values's shape"):

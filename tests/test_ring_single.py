@@ -217,11 +217,13 @@ def test_fp32_fused_and_explicit_tiles(fused, layout):
         assert (a.double() - b).abs().max() < 1e-5
 
 
-def _dies_on_rank_one(rank, world):
+def _dies_on_rank_one(rank, world, how="exit"):
     import os
 
-    if rank == 1:
+    if rank == 1 and how == "exit":
         os._exit(7)  # as a segfault or an OOM kill: no result, no traceback
+    if rank == 1:
+        return lambda: None  # unpicklable: the queue's feeder thread used to drop it silently
     return rank
 
 
@@ -233,7 +235,9 @@ def test_run_gloo_reports_a_worker_that_dies_at_once():
     from rlhf_kernels.ring.spawn import run_gloo
 
     t0 = time.perf_counter()
-    with pytest.raises(RuntimeError, match="rank 1 ---\nexited with code 7 without a result"):
+    with pytest.raises(RuntimeError, match="rank 1 ---\nexited \\(exit code 7\\) without a result"):
         run_gloo(_dies_on_rank_one, 2, timeout_s=120)
+    with pytest.raises(RuntimeError, match="(?s)rank 1 ---\n.*pickle"):
+        run_gloo(_dies_on_rank_one, 2, "result", timeout_s=120)
     assert time.perf_counter() - t0 < 60
     assert run_gloo(_dies_on_rank_one, 1, timeout_s=60) == [0]

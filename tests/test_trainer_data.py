@@ -383,12 +383,15 @@ def test_chat_template_responses_end_with_the_templates_end_of_turn(tiny_dir):
     assert pair["chosen_ids"][n:] == [*resp, 5, eos]
     cut = tokenize_pair(chatml, "abcd", "dcba", "1234", n + 2, apply_chat_template=True)
     assert cut["chosen_ids"][n:] == [resp[0], eos]  # the reward is still read at an EOS
-    # a template whose answer does not start with its generation prompt cannot be cut
+    # a template whose answer does not start with its generation prompt (a thinking prefix in
+    # the prompt only): the plain response + EOS, with a warning
     chatml.chat_template = END_OF_TURN.replace(
-        "generation_prompt %}<|assistant|>", "generation_prompt %}<|pad|>"
+        "generation_prompt %}<|assistant|>", "generation_prompt %}<|assistant|><|pad|>"
     )
-    with pytest.raises(ValueError, match="without its own generation prompt"):
-        tokenize_sft(chatml, "abcd", "dcba", 64, apply_chat_template=True)
+    with pytest.warns(UserWarning, match="does not render an answer after its own generation"):
+        sft = tokenize_sft(chatml, "abcd", "dcba", 64, apply_chat_template=True)
+    n = len(render_prompt(chatml, "abcd", None, True))
+    assert sft["input_ids"][n - 1] == 2 and sft["input_ids"][n:] == [*resp, eos]
 
 
 def test_tokenize_sft_when_pad_is_eos(tiny_dir):

@@ -406,12 +406,25 @@ def test_resume_refuses_other_data_flags(tmp_path):
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "data": saved}))
     check_data(tmp_path, checkpoint_data(PPOConfig()))
     check_data(tmp_path, checkpoint_data(PPOConfig(lr=1.0, max_steps=9)))
-    other = checkpoint_data(PPOConfig(dataset="b.jsonl", n_samples_per_prompt=4))
+    other = checkpoint_data(
+        PPOConfig(dataset="b.jsonl", n_samples_per_prompt=4, apply_chat_template=True)
+    )
     with pytest.raises(ValueError) as e:
         check_data(tmp_path, other)
-    assert str(e.value).startswith(f"--resume: {tmp_path} was saved by a run with --dataset None, ")
-    assert "this run has --dataset 'b.jsonl', --n-samples-per-prompt 4: resume with" in str(e.value)
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))  # an older checkpoint
+    # in the user's own spelling (pasteable): unset / off flags are "no --flag"
+    assert str(e.value).startswith(
+        f"--resume: {tmp_path} was saved by a run with no --dataset, no --apply-chat-template, "
+        "--n-samples-per-prompt 8; this run has --dataset "
+    )
+    assert f"--dataset {Path('b.jsonl').resolve()}, --apply-chat-template, " in str(e.value)
+    # one file spelt two ways is one dataset
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "data": other}))
+    same = PPOConfig(dataset=f"./b.jsonl, {Path('b.jsonl').resolve()}", n_samples_per_prompt=4)
+    with pytest.raises(ValueError, match="this run has --dataset .*b.jsonl,"):
+        check_data(tmp_path, checkpoint_data(same))  # two files are not one
+    same.dataset, same.apply_chat_template = "./b.jsonl", True
+    check_data(tmp_path, checkpoint_data(same))
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))  # older checkpoints
     check_data(tmp_path, other)
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -141,13 +142,21 @@ def check_data(path: Path, data: dict) -> None:
     if differ:
 
         def show(x: dict) -> str:
-            return ", ".join(f"--{k.replace('_', '-')} {x[k]!r}" for k in differ)
+            return ", ".join(_as_flag(k, x[k]) for k in differ)
 
         raise ValueError(
             f"--resume: {path} was saved by a run with {show(saved)}; this run has {show(data)}: "
             f"resume with the checkpoint's values (or start a new run: --overwrite or another "
             f"--output-dir)"
         )
+
+
+def _as_flag(key: str, value) -> str:
+    """How a user writes ``key=value`` on the command line (``no --flag`` when unset / off)."""
+    flag = "--" + key.replace("_", "-")
+    if value is None or value is False:
+        return f"no {flag}"
+    return flag if value is True else f"{flag} {shlex.quote(str(value))}"
 
 
 def load_checkpoint(engine, path: Path, tag: str = _TAG, rng: bool = True) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -273,7 +274,9 @@ def render_response(
 ) -> list[int]:
     """Response token ids ending in one EOS: the response's tokens, or with
     ``apply_chat_template`` the template's assistant turn after the generation prompt (its
-    end-of-turn marker included, trailing whitespace dropped), then EOS unless it ends so."""
+    end-of-turn marker included, trailing whitespace dropped), then EOS unless it ends so. A
+    template whose answer does not start with its generation prompt (one that adds a thinking
+    prefix to the prompt only) gets the plain response + EOS, with a warning."""
     eos = _eos_id(tokenizer)
     messages = _prompt_messages(prompt, input_template, apply_chat_template)
     text = str(response)
@@ -281,13 +284,15 @@ def render_response(
         head = _chat(tokenizer, messages, prompt, add_generation_prompt=True, tokenize=False)
         turn = [*messages, {"role": "assistant", "content": text}]
         full = _chat(tokenizer, turn, prompt, tokenize=False)
-        if not full.startswith(head):
-            raise ValueError(
-                f"--apply-chat-template: the tokenizer's chat template renders the answer to "
-                f"{str(prompt)[:60]!r} without its own generation prompt in front, so the "
-                f"response cannot be cut out of it"
+        if full.startswith(head):
+            text = full[len(head) :].rstrip()
+        else:  # e.g. DeepSeek-R1 distills: '<think>\n' only in the generation prompt
+            warnings.warn(
+                "--apply-chat-template: the tokenizer's chat template does not render an answer "
+                "after its own generation prompt, so responses are trained as their text + EOS "
+                "(without the template's end-of-turn marker)",
+                stacklevel=2,
             )
-        text = full[len(head) :].rstrip()
     ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
     return ids if ids and ids[-1] == eos else [*ids, eos]
 

@@ -54,8 +54,14 @@ _DATA_FLAGS = (
 
 
 def checkpoint_data(cfg) -> dict:
-    """This run's data flags (:data:`_DATA_FLAGS` its trainer has), saved in checkpoints."""
-    return {f: getattr(cfg, f) for f in _DATA_FLAGS if hasattr(cfg, f)}
+    """This run's data flags (:data:`_DATA_FLAGS` its trainer has), saved in checkpoints; data
+    paths are made absolute (``./a.jsonl`` and ``a.jsonl`` are one file)."""
+    out = {f: getattr(cfg, f) for f in _DATA_FLAGS if hasattr(cfg, f)}
+    for key in ("dataset", "eval_dataset"):
+        if out.get(key):
+            parts = [p.strip() for p in out[key].split(",") if p.strip()]
+            out[key] = ",".join(os.path.abspath(p) for p in parts)
+    return out
 
 
 def apply_optimizer_flags(engine, lr: float, weight_decay: float) -> None:

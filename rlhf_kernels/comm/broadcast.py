@@ -444,7 +444,7 @@ def _check_specs(name: str, specs: list, first: list, pad_values: dict) -> None:
                 continue
             info = None if dtype == torch.bool else torch.iinfo(dtype)
             fits = (0, 1) if info is None else (info.min, info.max)
-            if value != int(value) or not fits[0] <= value <= fits[1]:
+            if not fits[0] <= value <= fits[1] or value != int(value):  # inf, NaN: the range
                 raise ValueError(
                     f"{name}: pad_values[{key!r}]={value!r} does not fit {key!r}'s {dtype} "
                     f"(integers in [{fits[0]}, {fits[1]}])"

@@ -581,6 +581,18 @@ def _mask_parts(fn) -> list[str]:
     return found
 
 
+TESTED_TRANSFORMERS = "5.23"  # the pyproject floor
+
+
+def _transformers_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "none installed"
+
+
 def register(name: str = ATTN_NAME, backend: str = "auto") -> str:
     """Register the attention function and its mask function with transformers under ``name``.
 
@@ -594,13 +606,20 @@ def register(name: str = ATTN_NAME, backend: str = "auto") -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
-        import transformers
-
         raise ImportError(
-            f"rlhf_kernels.integrations.hf needs transformers >= 5.23 (AttentionMaskInterface), "
-            f"got {transformers.__version__}: pip install 'rlhf-kernels[hf]'"
+            f"rlhf_kernels.integrations.hf needs transformers >= {TESTED_TRANSFORMERS} "
+            f"(AttentionMaskInterface), got {_transformers_version()}: pip install "
+            f"'rlhf-kernels[hf]'"
         ) from e
 
+    from packaging.version import Version
+
+    if Version(_transformers_version()) < Version(TESTED_TRANSFORMERS):  # older mask kwargs
+        warnings.warn(
+            f"rlhf_kernels attention is tested with transformers >= {TESTED_TRANSFORMERS}, got "
+            f"{_transformers_version()}: bidirectional (encoder) masks may be taken for causal",
+            stacklevel=2,
+        )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(name, str) or not name or name in _BUILTIN_IMPLEMENTATIONS:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_kernels._checks import is_real
+from rlhf_kernels._checks import is_real, is_scalar
 from rlhf_kernels.ops import linear_logprobs as lse_mod
 from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss, under_autocast
 
@@ -111,9 +111,9 @@ def fused_linear_cross_entropy(
         raise ValueError(f"chunk_mem_const must be a positive int, got {chunk_mem_const!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not (is_real(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
+    if not (is_scalar(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-    if not (is_real(lse_square_scale) and lse_square_scale >= 0.0):
+    if not (is_scalar(lse_square_scale) and lse_square_scale >= 0.0):
         raise ValueError(f"lse_square_scale must be a number >= 0, got {lse_square_scale!r}")
     if not isinstance(input, torch.Tensor) or input.dim() < 1:
         raise ValueError(f"input must be a (..., H) tensor, got {type(input).__name__}")

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from rlhf_kernels._checks import device_guard, is_real
+from rlhf_kernels._checks import device_guard, is_scalar
 
 try:
     import triton
@@ -309,7 +309,7 @@ def _check(logits, labels, temperature, backend, ignore_index=IGNORE_INDEX):
         )
     if labels.device != logits.device:
         raise ValueError(f"labels on {labels.device} but logits on {logits.device}")
-    if not ((is_real(temperature) or torch.is_tensor(temperature)) and temperature > 0):
+    if not (is_scalar(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

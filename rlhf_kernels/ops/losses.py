@@ -17,7 +17,7 @@ from rlhf_kernels._checks import (
     as_cu_seqlens,
     check_mask,
     check_same_device,
-    is_real,
+    is_scalar,
     sequence_ids,
 )
 
@@ -225,11 +225,11 @@ def _check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length=
             raise TypeError(f"norm_length must be a number > 0 or None, got {norm_length!r}")
         if not norm_length > 0:
             raise ValueError(f"norm_length must be > 0, got {norm_length}")
-    if not (is_real(clip_low) and is_real(clip_high) and 0 <= clip_low < 1 and clip_high >= 0):
+    if not (is_scalar(clip_low) and is_scalar(clip_high) and 0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(
             f"need numbers 0 <= clip_low < 1 and clip_high >= 0, got {clip_low!r}, {clip_high!r}"
         )
-    if dual_clip is not None and not (is_real(dual_clip) and dual_clip > 1):
+    if dual_clip is not None and not (is_scalar(dual_clip) and dual_clip > 1):
         raise ValueError(f"dual_clip must be a number > 1 or None, got {dual_clip!r}")
 
 

@@ -31,6 +31,7 @@ from rlhf_kernels._checks import (
     check_cu_seqlens,
     check_same_device,
     is_real,
+    is_scalar,
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -324,7 +325,7 @@ def _check_inputs(
                 ) from None
         if given is not None and given < longest:
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
-    if not (is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
+    if not (is_scalar(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     _window_pair(window_size)
     return cu_q, cu_k

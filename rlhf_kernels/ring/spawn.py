@@ -16,6 +16,7 @@ import queue
 import socket
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,18 @@ def _worker(fn, rank, world_size, port, results, args, threads, timeout_s):
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         out = fn(rank, world_size, *args)
+        ForkingPickler.dumps(out)  # here, or the queue's feeder thread drops it unpicklable
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _gone(rank: int, code: int) -> str:
+    why = "killed by a signal" if code < 0 else "exited"
+    return f"--- rank {rank} ---\n{why} (exit code {code}) without a result"
 
 
 def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1) -> list:
@@ -86,14 +93,15 @@ def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int 
     deadline = time.monotonic() + timeout_s
     try:
         while len(got) < world_size and not errors:
-            try:  # short waits: a worker killed without a word (segfault, OOM) is seen at once
+            try:  # short waits: a worker gone without a word (segfault, OOM) is seen at once
                 rank, ok, value = results.get(timeout=min(1.0, timeout_s))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode]
-                for r in dead:
-                    errors.append(f"--- rank {r} ---\nexited with code {procs[r].exitcode} "
-                                  "without a result (killed by a signal if negative)")  # fmt: skip
-                if not dead and time.monotonic() > deadline:
+                gone = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                if gone and results.empty():  # an exited worker's result is in the pipe by now
+                    time.sleep(0.2)
+                    if results.empty():
+                        errors += [_gone(r, procs[r].exitcode) for r in gone]
+                elif time.monotonic() > deadline:
                     errors.append(f"timed out after {timeout_s}s waiting for the workers")
                 continue
             if ok:
