@@ -25,6 +25,7 @@ TIMEOUT_S = 240  # per block; each takes a few seconds unloaded
 TORCHRUN_RE = re.compile(r"#\s*torchrun\s+--nproc-per-node[ =](\d+)\s*$")
 FENCE_RE = re.compile(r"^(\s*)```(\S*)\s*$")
 HEADING_RE = re.compile(r"^#{1,6}\s")
+PRINTED_RE = re.compile(r"^\s*print\(.*\)\s+#\s*(\S.*?)\s*$", re.M)
 
 # recipe heading -> what its python block must show
 RECIPES = {
@@ -172,6 +173,10 @@ def _run(block: Block, tmp_path: Path) -> None:
         f"README.md:{block.line} ({block.heading}) exited {proc.returncode}: {' '.join(cmd)}\n"
         f"--- stdout ---\n{out}\n--- stderr ---\n{err[-20000:]}"
     )
+    # a print whose comment shows its output (`print(x.shape)  # torch.Size([...])`) shows it
+    shown = [m.group(1).strip() for m in PRINTED_RE.finditer(block.code)]
+    missing = [want for want in shown if want not in out.splitlines()]
+    assert not missing, f"README.md:{block.line}: printed {out!r}, its comments say {missing}"
 
 
 def _params():
@@ -191,6 +196,7 @@ def test_readme_python_block_runs(block, tmp_path):
 
 def test_readme_has_runnable_blocks_and_recipes():
     assert len(PYTHON) >= 5, [b.id for b in PYTHON]
+    assert sum(len(PRINTED_RE.findall(b.code)) for b in PYTHON) >= 2  # shown outputs: checked
     ids = [b.id for b in PYTHON]
     assert len(set(ids)) == len(ids), ids
     for heading, needles in RECIPES.items():
