@@ -392,6 +392,12 @@ def test_chat_template_responses_end_with_the_templates_end_of_turn(tiny_dir):
         sft = tokenize_sft(chatml, "abcd", "dcba", 64, apply_chat_template=True)
     n = len(render_prompt(chatml, "abcd", None, True))
     assert sft["input_ids"][n - 1] == 2 and sft["input_ids"][n:] == [*resp, eos]
+    # a template that fails on the answer (not on the prompt) says so
+    chatml.chat_template = END_OF_TURN.replace(
+        "<|system|>\n{% endif %}", "{{ raise_exception('no answers') }}{% endif %}"
+    )
+    with pytest.raises(ValueError, match="fails on the answer to 'abcd' .*no answers"):
+        tokenize_sft(chatml, "abcd", "dcba", 64, apply_chat_template=True)
 
 
 def test_tokenize_sft_when_pad_is_eos(tiny_dir):

@@ -424,6 +424,8 @@ def test_resume_refuses_other_data_flags(tmp_path):
         check_data(tmp_path, checkpoint_data(same))  # two files are not one
     same.dataset, same.apply_chat_template = "./b.jsonl", True
     check_data(tmp_path, checkpoint_data(same))
+    spaced = checkpoint_data(PPOConfig(dataset="a.jsonl,b.jsonl", dataset_probs="0.7, 0.3"))
+    assert spaced["dataset_probs"] == "0.7,0.3"
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2}))  # older checkpoints
     check_data(tmp_path, other)
 

@@ -259,7 +259,8 @@ def render_prompt(
     messages = _prompt_messages(text, input_template, apply_chat_template)
     if isinstance(messages, str):
         return list(tokenizer.encode(messages))
-    out = _chat(tokenizer, messages, text, add_generation_prompt=True, tokenize=True)
+    out = _chat(tokenizer, messages, f"the prompt {str(text)[:60]!r}", add_generation_prompt=True,
+                tokenize=True)  # fmt: skip
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers >= 5: BatchEncoding
         out = out["input_ids"]
     if hasattr(out, "tolist"):
@@ -281,9 +282,10 @@ def render_response(
     messages = _prompt_messages(prompt, input_template, apply_chat_template)
     text = str(response)
     if not isinstance(messages, str):
-        head = _chat(tokenizer, messages, prompt, add_generation_prompt=True, tokenize=False)
+        where = f"the prompt {str(prompt)[:60]!r}"
+        head = _chat(tokenizer, messages, where, add_generation_prompt=True, tokenize=False)
         turn = [*messages, {"role": "assistant", "content": text}]
-        full = _chat(tokenizer, turn, prompt, tokenize=False)
+        full = _chat(tokenizer, turn, f"the answer to {str(prompt)[:60]!r}", tokenize=False)
         if full.startswith(head):
             text = full[len(head) :].rstrip()
         else:  # e.g. DeepSeek-R1 distills: '<think>\n' only in the generation prompt
@@ -314,15 +316,15 @@ def _prompt_messages(text, input_template: str | None, apply_chat_template: bool
     return [{"role": "user", "content": text}] if apply_chat_template else text
 
 
-def _chat(tokenizer, messages, prompt, **kwargs):
+def _chat(tokenizer, messages, where: str, **kwargs):
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("apply_chat_template: expected a tokenizer with a chat_template, got none")
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as e:  # jinja2's TemplateError (a role the template refuses...)
         raise ValueError(
-            f"--apply-chat-template: the tokenizer's chat template fails on the prompt "
-            f"{str(prompt)[:60]!r} ({type(e).__name__}: {e})"
+            f"--apply-chat-template: the tokenizer's chat template fails on {where} "
+            f"({type(e).__name__}: {e})"
         ) from None
 
 

@@ -55,8 +55,11 @@ _DATA_FLAGS = (
 
 def checkpoint_data(cfg) -> dict:
     """This run's data flags (:data:`_DATA_FLAGS` its trainer has), saved in checkpoints; data
-    paths are made absolute (``./a.jsonl`` and ``a.jsonl`` are one file)."""
+    paths are made absolute (``./a.jsonl`` and ``a.jsonl`` are one file), probabilities lose
+    their spaces."""
     out = {f: getattr(cfg, f) for f in _DATA_FLAGS if hasattr(cfg, f)}
+    if out.get("dataset_probs"):  # '0.7, 0.3' is '0.7,0.3'
+        out["dataset_probs"] = ",".join(p.strip() for p in out["dataset_probs"].split(","))
     for key in ("dataset", "eval_dataset"):
         if out.get(key):
             parts = [p.strip() for p in out[key].split(",") if p.strip()]
