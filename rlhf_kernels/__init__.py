@@ -18,6 +18,8 @@ _EXPORTS = {
     "plan_micro_batches": "rlhf_kernels.packing",
     "unpad_input": "rlhf_kernels.padding",
     "pad_input": "rlhf_kernels.padding",
+    "index_first_axis": "rlhf_kernels.padding",
+    "index_put_first_axis": "rlhf_kernels.padding",
     "sequence_to_tokens": "rlhf_kernels.padding",
     # attention
     "varlen_attention": "rlhf_kernels.ops.varlen_attention",

@@ -94,7 +94,8 @@ def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """int64 ``(total,)``: the sequence index of every packed token, after
     :func:`check_cu_seqlens` (empty sequences own no token)."""
     cu = check_cu_seqlens(cu_seqlens, total)
-    lens = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=cu_seqlens.device)
+    lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    lens = torch.tensor(lens, dtype=torch.long, device=cu_seqlens.device)
     seq = torch.arange(len(lens), device=cu_seqlens.device)
     return torch.repeat_interleave(seq, lens, output_size=total)
 

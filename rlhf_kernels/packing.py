@@ -22,11 +22,14 @@ import bisect
 import heapq
 import itertools
 import math
+import numbers
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from rlhf_kernels._checks import check_mask
 
 IGNORE_INDEX = -100
 
@@ -126,7 +129,7 @@ def _target_mask(packed: PackedBatch, loss_mask: torch.Tensor | None) -> torch.T
     if not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (total,):
         shape = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask)
         raise ValueError(f"loss_mask must be a ({total},) tensor (the packed length), got {shape}")
-    return loss_mask.to(packed.input_ids.device) != 0
+    return check_mask(loss_mask, "loss_mask").to(packed.input_ids.device) != 0
 
 
 def pack_sequences(seqs: Sequence[torch.Tensor]) -> PackedBatch:
@@ -170,10 +173,19 @@ def _check_plan_args(lengths, max_tokens, num_groups) -> list[int]:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
         raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
-    lens = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex():
+            raise ValueError(
+                f"lengths must be a 1-D integer tensor, got {lengths.dtype} of shape "
+                f"{tuple(lengths.shape)}"
+            )
+        lengths = lengths.tolist()
+    lens = []
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"lengths[{i}] must be an int >= 0 (a token count), got {n!r}")
+        lens.append(int(n))
     for i, n in enumerate(lens):
-        if n < 0:
-            raise ValueError(f"lengths[{i}] must be >= 0, got {n}")
         if n > max_tokens:
             raise ValueError(
                 f"sample {i} has {n} tokens, more than max_tokens={max_tokens}; "
@@ -454,7 +466,7 @@ def _split_bin(b: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
     halves: tuple[list[int], list[int]] = ([], [])
     loads = [0, 0]
     for i in sorted(b, key=lambda j: -lens[j]):
-        h = 0 if loads[0] <= loads[1] else 1
+        h = min((0, 1), key=lambda k: (loads[k], len(halves[k])))  # empty samples alternate
         halves[h].append(i)
         loads[h] += lens[i]
     return halves
@@ -544,8 +556,9 @@ def plan_micro_batches(
     Returns:
         ``plan[g][m]`` = sorted sample indices of micro-batch ``m`` of group ``g``. Every index
         appears exactly once; ``len(plan[g])`` is the same for every group. With one group,
-        ``plan[0]`` is the list of micro-batches. A group may get an empty micro-batch only when
-        there are fewer samples than ``num_groups``.
+        ``plan[0]`` is the list of micro-batches. A group may get an empty micro-batch ``[]``
+        only when no micro-batch has two samples left to split (fewer samples than the rounded
+        micro-batch count, e.g. than ``num_groups``): skip it, but step with the other ranks.
     """
     lens = _check_plan_args(lengths, max_tokens, num_groups)
     if not lens:

@@ -1,8 +1,9 @@
 """Padded <-> packed conversions with flash-attn's ``bert_padding`` signatures, and spreading
 per-sequence values over packed tokens.
 
-``unpad_input`` / ``pad_input`` take and return what flash-attn 2.7+ does, so code written for it
-runs unchanged; both are differentiable (gradients flow through the gather / scatter).
+``unpad_input`` / ``pad_input`` / ``index_first_axis`` / ``index_put_first_axis`` take and return
+what flash-attn 2.7+'s do, so code written for them runs unchanged; all are differentiable
+(gradients flow through the gather / scatter).
 """
 
 from __future__ import annotations
@@ -59,6 +60,40 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     return out.index_copy(0, indices, hidden_states).view(batch, seqlen, *hidden_states.shape[1:])
 
 
+def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``input[indices]`` along the first axis: ``(N0, ...)`` + ``(N,)`` int indices -> ``(N, ...)``
+    (flash-attn's gather, e.g. of ``(B*S, ...)`` rows at :func:`unpad_input`'s indices)."""
+    _check_indices(input, indices, "input")
+    return input.index_select(0, indices.long())
+
+
+def index_put_first_axis(
+    values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int
+) -> torch.Tensor:
+    """The inverse scatter: ``(N, ...)`` rows into zeros ``(first_axis_dim, ...)`` at
+    ``indices`` (flash-attn's ``index_put_first_axis``)."""
+    if values.dim() < 1 or indices.dim() != 1 or values.shape[0] != indices.shape[0]:
+        raise ValueError(
+            f"values (N, ...) and indices (N,) must agree, got {tuple(values.shape)} and "
+            f"{tuple(indices.shape)}"
+        )
+    out = values.new_zeros(first_axis_dim, *values.shape[1:])
+    _check_indices(out, indices, "the output")
+    return out.index_copy(0, indices.long(), values)
+
+
+def _check_indices(x: torch.Tensor, indices: torch.Tensor, name: str) -> None:
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+        got = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"indices must be a 1-D tensor, got {got}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32/int64, got {indices.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have a first axis to index, got a 0-d tensor")
+    if indices.device != x.device:
+        raise ValueError(f"indices are on {indices.device}, {name} on {x.device}")
+
+
 def sequence_to_tokens(
     values: torch.Tensor, cu_seqlens: torch.Tensor, total: int | None = None
 ) -> torch.Tensor:
@@ -87,5 +122,6 @@ def sequence_to_tokens(
     if total is None and not cu_seqlens.is_floating_point():
         total = int(cu_seqlens[-1])
     cu = check_cu_seqlens(cu_seqlens, -1 if total is None else total)
-    lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], device=values.device)
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    lengths = torch.tensor(lengths, dtype=torch.long, device=values.device)
     return values.repeat_interleave(lengths, dim=0, output_size=total)

@@ -96,6 +96,21 @@ def test_whiten_masked():
     torch.testing.assert_close(whiten(x2, mask)[mask], out.detach()[mask])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_whiten_half_in_fp32(dtype):
+    """65k fp16 entries: the count and sums overflowed to inf (all outputs -inf / NaN)."""
+    torch.manual_seed(0)
+    x = (torch.randn(64, 1024) + 3).to(dtype)
+    mask = torch.ones(64, 1024)
+    mask[:, -8:] = 0
+    for m in (None, mask):
+        want = whiten(x.float(), m)
+        got = whiten(x, m)
+        assert got.dtype == dtype
+        plain = want.to(dtype).float()  # the rounding of the fp32 answer to dtype
+        assert (got.float() - want).abs().max() <= 2 * (plain - want).abs().max()
+
+
 def test_whiten_bad_input():
     with pytest.raises(ValueError, match="mask must have x's shape"):
         whiten(torch.randn(3, 4), torch.ones(3, 5))

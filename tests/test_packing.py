@@ -83,6 +83,9 @@ def test_shifted_labels_never_cross_boundaries():
     assert (got[p.cu_seqlens[1:].long() - 1] == -100).all()
     with pytest.raises(ValueError, match=r"loss_mask must be a \(26,\) tensor"):
         p.shifted_labels(torch.ones(25))
+    for labels in (p.shifted_labels, p.causal_lm_labels):  # a 2 would silently count as 1
+        with pytest.raises(ValueError, match="loss_mask"):
+            labels(torch.full((26,), 2))
 
 
 def test_causal_lm_labels_match_per_sample_loss():
@@ -275,6 +278,10 @@ def test_plan_small_and_edge_cases():
     assert [len(g) for g in plan] == [1, 1, 1]
     plan = plan_micro_batches([2, 2, 2, 2], 100, num_groups=2)  # one micro-batch split in two
     assert sorted(sum(len(b) for b in g) for g in plan) == [2, 2]
+    # empty samples split too (a tie used to send them all to one half, leaving [] for a group)
+    assert plan_micro_batches([0, 0, 0, 0], 4, num_groups=2) == [[[0, 2]], [[1, 3]]]
+    plan = plan_micro_batches([3, 3, 3], 4, num_groups=2)  # nothing to split: one [] is needed
+    assert sorted(len(b) for g in plan for b in g) == [0, 1, 1, 1]
 
 
 def test_plan_validates_input():
@@ -282,7 +289,14 @@ def test_plan_validates_input():
         plan_micro_batches([3, 11], 10)
     with pytest.raises(ValueError, match="max_tokens must be a positive int, got 0"):
         plan_micro_batches([3], 0)
-    with pytest.raises(ValueError, match=r"lengths\[0\] must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"lengths\[0\] must be an int >= 0 \(.*\), got -1"):
         plan_micro_batches([-1], 10)
+    for bad in ([2.9, 2.9], [True], ["3"]):  # 2.9 + 2.9 > 5 was cut to 2 + 2
+        with pytest.raises(ValueError, match=r"lengths\[0\] must be an int >= 0"):
+            plan_micro_batches(bad, 5)
+    for bad in (torch.tensor([3.7, 2.2]), torch.ones(2, 2, dtype=torch.long)):
+        with pytest.raises(ValueError, match="lengths must be a 1-D integer tensor"):
+            plan_micro_batches(bad, 4)
+    assert plan_micro_batches(torch.tensor([3, 2], dtype=torch.int32), 5) == [[[0, 1]]]
     with pytest.raises(ValueError, match="num_groups must be an int >= 1, got 0"):
         plan_micro_batches([1], 10, num_groups=0)

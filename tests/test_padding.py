@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_kernels import pad_input, sequence_to_tokens, unpad_input
+from rlhf_kernels import (
+    index_first_axis,
+    index_put_first_axis,
+    pad_input,
+    sequence_to_tokens,
+    unpad_input,
+)
+from rlhf_kernels._checks import sequence_ids
 
 
 def test_unpad_pad_roundtrip_and_grad():
@@ -40,6 +47,26 @@ def test_sequence_to_tokens():
     with pytest.raises(ValueError, match=r"cu_seqlens must be \(4,\) for 3 sequences"):
         sequence_to_tokens(torch.zeros(3), torch.tensor([0, 5]))
     assert sequence_to_tokens(torch.tensor([1, 2]), [0, 1, 3]).tolist() == [1, 2, 2]
+    empty = sequence_to_tokens(torch.zeros(0, 3), torch.zeros(1, dtype=torch.int32))
+    assert empty.shape == (0, 3)
+    assert sequence_ids(torch.zeros(1, dtype=torch.int32), 0).shape == (0,)
+
+
+def test_index_first_axis_matches_bert_padding():
+    """flash-attn's recipe: gather (B*S, ...) rows at unpad_input's indices, scatter them back."""
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]])
+    packed, indices, _, _, _ = unpad_input(x, mask)
+    gathered = index_first_axis(x.flatten(0, 1), indices)
+    assert torch.equal(gathered, packed)
+    back = index_put_first_axis(gathered, indices.int(), 10).view(2, 5, 3)
+    assert torch.equal(back, pad_input(packed, indices, 2, 5))
+    back.sum().backward()
+    assert torch.equal(x.grad[..., 0], mask.float())  # gradients only at the real tokens
+    with pytest.raises(TypeError, match="indices must be int32/int64"):
+        index_first_axis(x.flatten(0, 1), indices.float())
+    with pytest.raises(ValueError, match=r"values \(N, ...\) and indices \(N,\) must agree"):
+        index_put_first_axis(gathered[:3], indices, 10)
 
 
 @pytest.mark.parametrize(

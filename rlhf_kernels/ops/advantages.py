@@ -88,16 +88,15 @@ def whiten(
             transformed the same way (callers mask them).
         shift_only: subtract the masked mean but do not divide by the std.
         eps: added to the (unbiased) masked variance.
-    Returns: x's shape and dtype.
+    Returns: x's shape and dtype (half inputs are computed in fp32).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if mask is None:
-        m = torch.ones_like(x)
-    else:
-        if mask.shape != x.shape:
-            raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
-        m = check_mask(mask).to(x.dtype)
+    if mask is not None and mask.shape != x.shape:
+        raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
+    if x.dtype in (torch.float16, torch.bfloat16):  # fp16 sums of 65k entries overflow
+        return whiten(x.float(), mask, shift_only=shift_only, eps=eps).to(x.dtype)
+    m = torch.ones_like(x) if mask is None else check_mask(mask).to(x.dtype)
     n = m.sum()
     if not torch.compiler.is_compiling() and n < 2:  # one host read
         raise ValueError(f"whiten needs at least 2 selected entries, got {int(n)}")

@@ -79,7 +79,7 @@ def fused_linear_cross_entropy(
     Args:
         input: ``(..., H)`` hidden states (any leading shape), fp32/bf16/fp16.
         weight: ``(V, H)`` lm_head weight, ``input``'s dtype. bias: optional ``(V,)``.
-        target: int64 ``(...)`` (``input``'s leading shape) ids in ``[0, V)`` or
+        target: int64/int32 ``(...)`` (``input``'s leading shape) ids in ``[0, V)`` or
             ``ignore_index``; those tokens count in no reduction (as in ``F.cross_entropy``).
         ce_weight: optional floating ``(V,)`` class weights, ``F.cross_entropy``'s ``weight``.
         lse_square_scale: z-loss weight ``s >= 0``: ``s * logsumexp(logits)^2`` is added per

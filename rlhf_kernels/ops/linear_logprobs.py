@@ -663,7 +663,8 @@ def _check(
         raise TypeError(f"weight dtype must equal hidden's {hidden.dtype}, got {weight.dtype}")
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(
-            f"labels must be an int64 tensor, got {getattr(labels, 'dtype', type(labels).__name__)}"
+            "labels must be an int64/int32 tensor, got "
+            f"{getattr(labels, 'dtype', type(labels).__name__)}"
         )
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(

@@ -300,7 +300,8 @@ def _check(logits, labels, temperature, backend, ignore_index=IGNORE_INDEX):
         raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
     if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(
-            f"labels must be an int64 tensor, got {getattr(labels, 'dtype', type(labels).__name__)}"
+            "labels must be an int64/int32 tensor, got "
+            f"{getattr(labels, 'dtype', type(labels).__name__)}"
         )
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
