@@ -25,3 +25,14 @@ def test_demo_raises_the_reward(tmp_path, capsys):
     assert (tmp_path / "ppo" / "metrics.png").is_file()
     out = capsys.readouterr().out
     assert "before RL" in out and "OK: RL raised" in out
+
+
+def test_gain_windows_never_overlap():
+    # windows of 3 of a 3-step run were the same steps (gain 0); 2 steps were divided by 3
+    assert demo.gain_windows([0.0, 0.5, 1.0]) == (1, 0.0, 1.0)
+    assert demo.gain_windows([0.1, 0.4]) == (1, 0.1, 0.4)
+    assert demo.gain_windows([0, 0, 0, 1, 1, 1, 1]) == (3, 0.0, 1.0)
+    with pytest.raises(ValueError, match="at least 2 RL steps, got 1"):
+        demo.gain_windows([0.3])
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--rl-steps", "1"])

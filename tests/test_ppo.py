@@ -500,6 +500,8 @@ def test_ppo_bad_input_is_one_clear_error(tmp_path):
     (other_rm / "tokenizer.json").write_text(json.dumps(tok))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a b", "c d", "", "e"]))
+    clash = tmp_path / "clash.jsonl"  # a column the reward function gets as its responses=
+    clash.write_text("".join(json.dumps({"prompt": p, "responses": p}) + "\n" for p in "abcdef"))
     cases = {
         "one sample per prompt": (
             ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "1"],
@@ -527,6 +529,11 @@ def test_ppo_bad_input_is_one_clear_error(tmp_path):
             "has a tokenizer with another vocabulary than the policy's",
         ),
         "no packing": (["--no-packing"], 1, "always packed"),
+        "reward keyword column": (
+            ["--dataset", str(clash), "--eval-ratio", "0"],
+            1,
+            "has a column 'responses', which the reward function would get twice",
+        ),
         "ring batch": (
             ["--ring-attn-size", "2", "--batch-size", "4"],
             1,
@@ -650,6 +657,14 @@ def test_reference_memory_flags_are_checked():
         (dict(critic_lr=0.0), "--critic-lr must be > 0"),
         (dict(max_grad_norm=-1.0), "--weight-decay and --max-grad-norm must be >= 0"),
         (dict(critic_model="x"), "--critic-model is used by --advantage-estimator gae only"),
+        # flags that would change nothing: they used to be accepted and ignored
+        (dict(lam=0.5, critic_lr=5.0), "--critic-lr 5.0, --lam 0.5: used by --advantage-est"),
+        (dict(value_clip=0.5, advantage_estimator="rloo"), "got --advantage-estimator rloo"),
+        (dict(kl_in_loss=True), "--kl-in-loss adds --kl-coef x KL to the loss"),
+        (dict(rollout_distribution="broadcast"), "it needs --ring-attn-size > 1"),
+        (dict(eval_steps=2, eval_ratio=0.0), "--eval-steps 2 evaluates held-out data"),
+        # --ref-offload implies --ref-zero-stage 3: the advice names the flag the user gave
+        (dict(ref_offload=True, tp_size=2), "with --tp-size 2 .*drop --ref-offload"),
     ],
 )
 def test_rl_hyper_parameters_are_checked(kw, expected):
@@ -658,6 +673,15 @@ def test_rl_hyper_parameters_are_checked(kw, expected):
 
     with pytest.raises(ValueError, match=expected):
         PPOConfig(**kw).validate()
+
+
+def test_gae_flags_and_evaluation_sources_are_accepted():
+    from trainers.ppo import PPOConfig
+
+    PPOConfig(advantage_estimator="gae", lam=0.5, critic_lr=5.0, value_clip=0.0).validate()
+    PPOConfig(kl_in_loss=True, kl_coef=0.1, ring_attn_size=2, batch_size=128).validate()
+    for source in (dict(eval_dataset="x.jsonl"), dict(eval_split="test")):
+        PPOConfig(eval_steps=2, eval_ratio=0.0, **source).validate()
 
 
 def test_reward_model_tokenizer_check(tmp_path):

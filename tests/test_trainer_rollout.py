@@ -105,7 +105,7 @@ def test_generate_call_settings_and_mode_restored(tiny, prompts, monkeypatch):
         assert not training and not grad
         assert kw["use_cache"] is True and kw["do_sample"] is True and kw["top_k"] == 0
         assert (kw["temperature"], kw["top_p"], kw["max_new_tokens"]) == (0.7, 0.9, 4)
-        assert (kw["pad_token_id"], kw["eos_token_id"]) == (tok.pad_token_id, tok.eos_token_id)
+        assert (kw["pad_token_id"], kw["eos_token_id"]) == (tok.pad_token_id, [tok.eos_token_id])
         ids, mask = kw["input_ids"], kw["attention_mask"]
         assert torch.equal(mask.bool(), ids != tok.pad_token_id)  # the prompts hold no pad
         assert bool((mask[:, -1] == 1).all())  # padded on the left
@@ -189,8 +189,27 @@ def test_split_responses_post_processing():
     ]
     assert split_responses(torch.tensor([[3, 4, E, E, E]]), 2, E, E) == [[E]]  # pad == eos
     assert cut_at_eos([5, 6, E, 7, E], E) == [5, 6, E] and cut_at_eos([5, 6], E) == [5, 6]
+    # several stop ids (EOS and an end-of-turn id): the first of any ends the response
+    assert split_responses(seqs, 3, [E, 9], P) == [[8, 9], [9], [E], [9]]
+    assert split_responses(torch.tensor([[3, 4, 7, P, P]]), 2, [E, P], P) == [[7, P]]
     with pytest.raises(ValueError, match="prompt_width"):
         split_responses(seqs, 9, E, P)
+
+
+def test_stops_at_the_models_end_of_turn_ids(tiny, prompts):
+    """generation_config.eos_token_id (Llama-3's <|eot_id|>, Gemma's <end_of_turn>) ends a
+    response as the tokenizer's EOS does; passing only the tokenizer's EOS used to override it."""
+    tok, ours, _ = tiny
+    free = HFGenerationEngine(ours, tok).generate(
+        prompts[:1], n_samples=1, max_new_tokens=8, greedy=True
+    )[0]
+    stop = next(t for t in free[1:] if t != tok.eos_token_id)
+    model = copy.deepcopy(ours)
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    gen = HFGenerationEngine(model, tok)
+    assert gen.stop_ids == [tok.eos_token_id, stop]
+    out = gen.generate(prompts[:1], n_samples=1, max_new_tokens=8, greedy=True)[0]
+    assert out == free[: free.index(stop) + 1]
 
 
 def test_seeded_sampling_and_caller_rng(tiny, prompts):
@@ -340,6 +359,8 @@ def test_score_accepts_numbers_and_passes_columns():
         (None, "must return a sequence of 2 numbers, got NoneType"),
         ("ab", "must return a sequence of 2 numbers, got str"),
         (torch.zeros(2, 1), "got Tensor of shape (2, 1)"),
+        ({0.5, 0.1}, "got set"),  # no order: rewards could land on the wrong responses
+        ({"a": 1.0, "b": 2.0}, "got dict"),
     ],
 )
 def test_score_rejects_bad_results(out, text):

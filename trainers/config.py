@@ -139,6 +139,12 @@ class TrainConfig:
                 )
         if not 0.0 <= self.eval_ratio < 1.0:
             raise ValueError(f"--eval-ratio must be in [0, 1), got {self.eval_ratio}")
+        no_eval = self.eval_ratio == 0 and self.eval_dataset is None and self.eval_split is None
+        if self.eval_steps and no_eval:
+            raise ValueError(
+                f"--eval-steps {self.eval_steps} evaluates held-out data, and this run has none: "
+                f"give --eval-ratio > 0, --eval-dataset or --eval-split"
+            )
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.weight_decay < 0 or self.max_grad_norm < 0:

@@ -47,16 +47,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m trainers.demo",
         description="SFT warm start, then GRPO on 'first letter: <word>' with a per-character "
         "reward; prints the reward before and after RL. Exits 1 if the mean sampled reward of "
-        "the last three steps is not at least --min-gain above the first three.",
+        "the last three steps is not at least --min-gain above the first three (of the last "
+        "and first half with fewer than six steps).",
     )
     p.add_argument("--output-dir", default="runs/demo", help="where both runs write")
     p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="SFT warm-start steps")
     p.add_argument(
-        "--rl-steps", type=int, default=None, help="RL steps (default: trainers.ppo's --max-steps)"
+        "--rl-steps",
+        type=int,
+        default=None,
+        help="RL steps, >= 2 (default: trainers.ppo's --max-steps)",
     )
     p.add_argument("--seed", type=int, default=SFT_SEED, help="seed of both runs")
     p.add_argument("--min-gain", type=float, default=0.2, help="required reward gain")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rl_steps is not None and args.rl_steps < 2:  # before the SFT stage's minutes
+        p.error(f"--rl-steps: the reward of the first and last steps is compared: need >= 2, got "
+                f"{args.rl_steps}")  # fmt: skip
+    return args
+
+
+def gain_windows(rewards: list[float]) -> tuple[int, float, float]:
+    """``(k, mean of the first k, mean of the last k)`` with ``k = min(3, len // 2)``: the two
+    windows never overlap (with 3 steps, windows of 3 were the same steps: a gain of 0)."""
+    k = min(3, len(rewards) // 2)
+    if k < 1:
+        raise ValueError(f"need the rewards of at least 2 RL steps, got {len(rewards)}")
+    return k, sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
 def main(argv=None) -> dict:
@@ -73,12 +90,11 @@ def main(argv=None) -> dict:
         *steps, "--logger", "tensorboard", "--seed", str(args.seed), "--overwrite",
     ])  # fmt: skip
     m = read(out / "ppo")
-    first = sum(x["reward_mean"] for x in m[:3]) / 3
-    last = sum(x["reward_mean"] for x in m[-3:]) / 3
+    k, first, last = gain_windows([x["reward_mean"] for x in m])
     evals = [m[0]["eval_reward_before"]] + [x["eval_reward"] for x in m if "eval_reward" in x]
     print()
     print(f"{'':<36}{'before RL':>10}{'after RL':>10}")
-    print(f"{'sampled reward (mean of 3 steps)':<36}{first:>10.3f}{last:>10.3f}")
+    print(f"{f'sampled reward (mean of {k} steps)':<36}{first:>10.3f}{last:>10.3f}")
     print(f"{'greedy reward (held-out prompts)':<36}{evals[0]:>10.3f}{evals[-1]:>10.3f}")
     plot = out / "ppo" / "metrics.png"
     print(f"\nSFT {t_sft:.0f} s, RL {t_rl:.0f} s ({len(m)} steps); plot: {plot}")

@@ -164,6 +164,26 @@ class PPOConfig(TrainConfig):
                 f"--critic-model is used by --advantage-estimator gae only (it trains the value "
                 f"model), got --advantage-estimator {self.advantage_estimator}"
             )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        critic_flags = [
+            n for n in ("critic_lr", "value_clip", "lam") if getattr(self, n) != defaults[n]
+        ]
+        if critic_flags and self.advantage_estimator != "gae":
+            given = ", ".join(f"--{n.replace('_', '-')} {getattr(self, n)}" for n in critic_flags)
+            raise ValueError(
+                f"{given}: used by --advantage-estimator gae only (the critic and GAE), got "
+                f"--advantage-estimator {self.advantage_estimator}"
+            )
+        if self.kl_in_loss and self.kl_coef == 0:
+            raise ValueError("--kl-in-loss adds --kl-coef x KL to the loss: give --kl-coef > 0")
+        if (
+            self.rollout_distribution != defaults["rollout_distribution"]
+            and self.ring_attn_size < 2
+        ):
+            raise ValueError(
+                f"--rollout-distribution {self.rollout_distribution} sends rollouts to the ranks "
+                f"of a ring: it needs --ring-attn-size > 1"
+            )
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -173,6 +193,12 @@ class PPOConfig(TrainConfig):
                 f"--batch-size ({self.batch_size}) must divide the rollout samples per step "
                 f"(--rollout-batch-size x --n-samples-per-prompt = "
                 f"{self.rollout_batch_size * self.n_samples_per_prompt})"
+            )
+        if self.ref_offload and self.tp_size > 1:
+            raise ValueError(
+                f"--ref-offload (ZeRO-3 for the reference and reward models) cannot be combined "
+                f"with --tp-size {self.tp_size} (AutoTP shards the trained model only); drop "
+                f"--ref-offload"
             )
         if self.ref_zero_stage is None:
             self.ref_zero_stage = 3 if (self.zero_stage == 3 or self.ref_offload) else 0

@@ -12,7 +12,7 @@ import importlib
 import math
 import numbers
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -81,7 +81,8 @@ def score(
         out = fn(prompts=list(prompts), responses=list(responses), **columns)
     except Exception as e:  # reported with the function's name
         raise ValueError(f"reward function {name} raised {type(e).__name__}: {e}") from e
-    if getattr(out, "ndim", 1) != 1 or isinstance(out, (str, bytes, Mapping)):
+    unordered = isinstance(out, (str, bytes, Mapping, Set))  # a set's order is not the responses'
+    if getattr(out, "ndim", 1) != 1 or unordered:
         shape = tuple(getattr(out, "shape", ())) if hasattr(out, "ndim") else None
         raise ValueError(
             f"reward function {name} must return a sequence of {n} numbers, got "

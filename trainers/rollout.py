@@ -21,8 +21,9 @@ class GenerationEngine(Protocol):
     """Anything that turns token-id prompts into sampled token-id responses.
 
     ``generate`` returns ``len(prompts) * n_samples`` responses, prompt-major (all samples of
-    prompt 0, then of prompt 1, ...), each a list of generated ids ending with the EOS id (kept)
-    when EOS was produced, else exactly ``max_new_tokens`` long; never padding, never the prompt.
+    prompt 0, then of prompt 1, ...), each a list of generated ids ending with a stop id (kept:
+    the tokenizer's EOS, or an end-of-turn id the model stops on) when one was produced, else
+    exactly ``max_new_tokens`` long; never padding, never the prompt.
     The same call with the same ``seed`` gives the same responses; different seeds differ.
     Implementations: :class:`HFGenerationEngine` (transformers), or e.g. a vLLM engine on GPUs.
 
@@ -67,19 +68,24 @@ _NEUTRAL = {
 _GREEDY = {"temperature": None, "top_p": None, "top_k": None}
 
 
-def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
-    """``tokens`` up to and including its first ``eos`` (all of it when there is none)."""
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else list(tokens)
+def cut_at_eos(tokens: list[int], eos: int | Sequence[int]) -> list[int]:
+    """``tokens`` up to and including its first ``eos`` (one id or any of several ids; all of
+    ``tokens`` when there is none)."""
+    stops = {eos} if isinstance(eos, int) else set(eos)
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1]
+    return list(tokens)
 
 
 def split_responses(
-    sequences: torch.Tensor, prompt_width: int, eos_id: int, pad_id: int | None
+    sequences: torch.Tensor, prompt_width: int, eos_id: int | Sequence[int], pad_id: int | None
 ) -> list[list[int]]:
     """``generate``'s output ``(B, prompt_width + T)`` of left-padded prompts -> B responses.
 
-    Drops the (padded) prompt columns, cuts each row after its first ``eos_id`` (kept) and drops
-    trailing ``pad_id`` (a row that finished early is padded up to the batch's length; when
-    ``pad_id == eos_id`` the EOS cut already removes them).
+    Drops the (padded) prompt columns, cuts each row after its first ``eos_id`` (kept; one id or
+    several stop ids) and drops trailing ``pad_id`` (a row that finished early is padded up to
+    the batch's length; when ``pad_id`` is a stop id the cut already removes them).
     """
     if sequences.dim() != 2 or not 0 <= prompt_width <= sequences.shape[1]:
         raise ValueError(
@@ -87,10 +93,11 @@ def split_responses(
             f"{sequences.shape[-1] if sequences.dim() else 0}, got shape "
             f"{tuple(sequences.shape)} and prompt_width={prompt_width}"
         )
+    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id)
     out = []
     for row in sequences[:, prompt_width:].tolist():
-        row = cut_at_eos(row, eos_id)
-        if pad_id is not None and pad_id != eos_id and not (row and row[-1] == eos_id):
+        row = cut_at_eos(row, stops)
+        if pad_id is not None and pad_id not in stops and not (row and row[-1] in stops):
             while row and row[-1] == pad_id:
                 row.pop()
         out.append(row)
@@ -127,7 +134,9 @@ class HFGenerationEngine:
     mode is restored) with ``use_cache=True`` whatever ``config.use_cache`` says. It samples
     from the model's softmax shaped only by ``temperature`` and ``top_p``: ``top_k``, repetition
     penalties, ``min_p`` etc. from ``model.generation_config`` are switched off. The pad token is
-    never generated (it is suppressed when it differs from EOS), so responses hold no padding.
+    never generated (it is suppressed unless it is a stop id), so responses hold no padding.
+    Generation stops at the tokenizer's EOS and at the ids of ``generation_config.eos_token_id``
+    (e.g. ``<|eot_id|>`` or ``<end_of_turn>`` of chat models whose tokenizer EOS differs).
 
     Randomness: each call seeds a forked RNG with ``seed`` (the caller's CPU/accelerator RNG state
     is unchanged afterwards). Samples depend on the call's whole batch layout, so a caller that
@@ -149,6 +158,10 @@ class HFGenerationEngine:
         if tokenizer.eos_token_id is None:
             raise ValueError("HFGenerationEngine: tokenizer: expected an eos_token_id, got None")
         self.model, self.tokenizer = model, tokenizer
+        # stop ids: the tokenizer's EOS first, then the model's own (int or list) end ids
+        extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+        self.stop_ids = list(dict.fromkeys([int(tokenizer.eos_token_id), *map(int, extra)]))
         self.batch_size = batch_size
         self.synced = zero3 and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -176,7 +189,7 @@ class HFGenerationEngine:
             flags.update(do_sample=False, **_GREEDY)
         else:
             flags.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
-        if pad != eos:  # a sampled pad could not be told from padding: never sample it
+        if pad not in self.stop_ids:  # a sampled pad could not be told from padding
             flags["suppress_tokens"] = [pad]
         out: list[list[int]] = []
         rng_devices = [] if device.type == "cpu" else [device]
@@ -185,7 +198,7 @@ class HFGenerationEngine:
             for i in range(0, len(flat), self.batch_size):
                 ids, mask = _left_pad(flat[i : i + self.batch_size], pad)
                 seqs = self._run(ids, mask, max_new_tokens, flags)
-                out += split_responses(seqs.cpu(), ids.shape[1], eos, pad)
+                out += split_responses(seqs.cpu(), ids.shape[1], self.stop_ids, pad)
         return out
 
     @torch.no_grad()
@@ -205,7 +218,7 @@ class HFGenerationEngine:
                 # rlhf_kernels attention refuses; the dynamic cache gives the same tokens
                 cache_implementation="dynamic",
                 pad_token_id=pad,
-                eos_token_id=tok.eos_token_id,
+                eos_token_id=self.stop_ids,
                 synced_gpus=self.synced,
                 **flags,
             )

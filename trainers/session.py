@@ -230,6 +230,13 @@ class Session:
         cfg = self.cfg
 
         def check(ds, what: str) -> None:  # before any holdout: row i is the dataset's row i
+            if cfg.reward_model is None:  # the columns go to the reward function as keywords
+                for col in ("prompts", "responses"):
+                    if col in ds.column_names and col != cfg.input_key:
+                        raise ValueError(
+                            f"the {what} has a column {col!r}, which the reward function would "
+                            f"get twice (it is called with prompts= and responses=): rename it"
+                        )
             for i, text in enumerate(ds[cfg.input_key]):
                 ids = data.render_prompt(
                     self.tokenizer, text, cfg.input_template, cfg.apply_chat_template
