@@ -75,7 +75,7 @@ def test_help_lists_every_flag_with_help_and_default(capsys):
         "--lr LR peak learning rate, 10% at the end (default: 0.0001)",
         "--max-samples MAX_SAMPLES cap on samples (default: None)",
         "--temperature TEMPERATURE sampling temperature (default: None)",
-        "--no-packing pad instead of packing (flag)",
+        "--no-packing, --packing pad instead of packing (flag)",
         "--shuffle, --no-shuffle shuffle the data (default: True)",
         "--zero-stage {0,1,2,3} ZeRO stage (default: 0)",
         "--ring-layout {zigzag,contiguous} ring layout (default: zigzag)",
@@ -102,7 +102,18 @@ def test_bool_flags(capsys):
     cfg = parse_config(Cfg, ["--no-packing", "--no-shuffle"])
     assert cfg.no_packing is True and cfg.shuffle is False
     assert parse_config(Cfg, ["--shuffle"]).shuffle is True
-    assert "--no-packing: ignored explicit argument '1'" in _exit2(capsys, ["--no-packing=1"])
+    msg = _exit2(capsys, ["--no-packing=1"])
+    assert "--no-packing/--packing: ignored explicit argument '1'" in msg
+    assert parse_config(Cfg, ["--no-packing", "--packing"]).no_packing is False  # the last wins
+
+
+def test_flags_undo_what_the_yaml_set(tmp_path):
+    """A YAML true could not be turned off, nor a YAML string unset ('none' stayed text)."""
+    path = _yaml(tmp_path, "no_packing: true\nshuffle: false\nmodel: mine\n")
+    cfg = parse_config(Cfg, ["--config", path, "--packing", "--shuffle", "--model", "none"])
+    assert (cfg.no_packing, cfg.shuffle, cfg.model) == (False, True, None)
+    assert parse_config(Cfg, ["--dataset", "none"]).dataset == "none"  # not nullable: text
+    assert parse_config(Cfg, ["--config", path]).no_packing is True
 
 
 def test_choices_and_bad_types(capsys):

@@ -226,6 +226,12 @@ def test_load_dataset_dict_splits(tmp_path):
     assert len(load_mixture(str(tmp_path / "dd"), None, "train", 0, None)) == 4
     with pytest.raises(ValueError, match=r"'validation'.*\['train', 'test'\]"):
         load_mixture(str(tmp_path / "dd"), None, "validation", 0, None)
+    # a saved split of 0 rows: datasets raises IndexError loading it (the whole dict, before)
+    dd["test"] = dd["test"].select([])
+    dd.save_to_disk(str(tmp_path / "dd0"))
+    assert len(load_mixture(str(tmp_path / "dd0"), None, "train", 0, None)) == 4
+    with pytest.raises(ValueError, match="dd0': split 'test' holds no rows"):
+        load_mixture(str(tmp_path / "dd0"), None, "test", 0, None)
 
 
 def test_empty_or_malformed_files_are_one_clear_error(tmp_path):
@@ -289,6 +295,23 @@ def test_concat_keeps_common_columns(tmp_path):
         check_keys(ds, {"--label-key": "extra"}, "training dataset")
 
 
+def test_mixed_column_types(tmp_path):
+    """Numbers in one file, text in the other: text in either order (the order used to decide
+    between working and an error naming neither dataset nor column)."""
+    files = {
+        "ints": [{"prompt": f"p{i}", "response": i} for i in range(3)],
+        "strs": [{"prompt": "q", "response": "word"}] * 3,
+        "lists": [{"prompt": "q", "response": [1, 2]}] * 3,
+    }
+    for name, rows in files.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ints, strs, lists = (str(tmp_path / f"{n}.jsonl") for n in files)
+    assert load_mixture(f"{ints},{strs}", None, "train", 0, None)["response"][2:4] == ["2", "word"]
+    assert load_mixture(f"{strs},{ints}", None, "train", 0, None)["response"][2:4] == ["word", "0"]
+    with pytest.raises(ValueError, match="lists.jsonl': cannot be mixed with '.*ints.jsonl'"):
+        load_mixture(f"{ints},{lists}", None, "train", 0, None)
+
+
 def test_check_keys_message():
     ds = datasets.Dataset.from_list(ROWS)
     check_keys(ds, {"--input-key": "prompt", "--output-key": "response", "--label": None}, "x")
@@ -315,6 +338,12 @@ def test_split_train_eval():
     two = ds.select([0, 1])
     assert [len(x) for x in split_train_eval(two, None, 0.9, 0)] == [1, 1]
     assert [len(x) for x in split_train_eval(ds, None, 0.001, 0)] == [99, 1]
+    # an id column made every row unique: duplicates of held-out content stayed in training
+    rows = [{"id": i, "prompt": f"q{i % 10}", "response": f"a{i % 10}"} for i in range(100)]
+    ds = datasets.Dataset.from_list(rows)
+    train, ev = split_train_eval(ds, None, 0.1, 0, columns=["prompt", "response"])
+    assert set(train["prompt"]).isdisjoint(ev["prompt"]) and len(ev) == 10
+    assert len(split_train_eval(ds, None, 0.1, 0)[0]) == 90  # all columns: ids differ
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="eval_ratio"):
             split_train_eval(ds, None, bad, 0)

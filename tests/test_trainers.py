@@ -592,3 +592,56 @@ def test_sft_counts_samples_cut_before_their_eos(tmp_path):
     proc = run_trainer("sft", args + ["--logger", "none", "--eval-ratio", "0"], tmp_path)
     cut = re.search(r"(\d+) training samples are cut at --max-len 12", proc.stdout + proc.stderr)
     assert cut and int(cut.group(1)) > 0, proc.stdout + proc.stderr
+
+
+def test_score_head_is_kept_from_a_saved_classifier(tmp_path):
+    """A *ForSequenceClassification folder without our is_reward_model flag (a third-party
+    reward model) keeps its trained head; only a causal LM gets a fresh, seeded one."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trainers.distributed import Layout
+    from trainers.rm import RMConfig
+    from trainers.session import Session
+    from trainers.tiny import ensure_tiny
+
+    src = ensure_tiny()
+    tok = AutoTokenizer.from_pretrained(src)
+    clf = AutoModelForSequenceClassification.from_pretrained(src, num_labels=1)
+    torch.nn.init.constant_(clf.score.weight, 0.5)
+    clf.save_pretrained(tmp_path / "clf")
+    layout = Layout(1, 0, 1, 1, 1, torch.device("cpu"))
+
+    def head(path, seed=0):
+        s = Session(RMConfig(model=str(path), seed=seed), "rm", layout, str(path), tok)
+        return s.load_score_model().score.weight.detach()
+
+    assert (head(tmp_path / "clf") == 0.5).all()
+    fresh = head(src)
+    assert torch.equal(fresh, head(src)) and not torch.equal(fresh, head(src, seed=1))
+
+
+def test_rm_names_equal_pairs_when_none_is_left():
+    """Every pair chosen == rejected: the error used to say no sample fits --max-len."""
+    from transformers import AutoTokenizer
+
+    from trainers import rm
+    from trainers.tiny import ensure_tiny
+
+    tok = AutoTokenizer.from_pretrained(ensure_tiny())
+    rows = [{"prompt": "p", "chosen": "abc", "rejected": "abc"}] * 3
+    with pytest.raises(ValueError, match="3 of 3 pairs have chosen and rejected of the same"):
+        rm.tokenize(rows, tok, rm.RMConfig(max_len=64))
+    pairs, dropped = rm.tokenize(rows + [{"prompt": "p", "chosen": "a", "rejected": "b"}], tok,
+                                 rm.RMConfig(max_len=64))  # fmt: skip
+    assert (len(pairs), dropped) == (1, 0)
+
+
+def test_learned_position_tables_bound_max_len():
+    """GPT-2 with n_positions=16 and --max-len 64 used to fail mid-run in torch.embedding."""
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
+
+    from trainers.session import _position_table
+
+    assert _position_table(GPT2Config(n_positions=16)) == 16
+    assert _position_table(OPTConfig(max_position_embeddings=64)) == 64
+    assert _position_table(LlamaConfig(max_position_embeddings=64)) is None  # RoPE: no table

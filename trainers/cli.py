@@ -65,13 +65,14 @@ def _help(f: dataclasses.Field, tp: type, nullable: bool) -> str:
     elif "(default:" not in text:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         text += f" (default: {default})"
-    if nullable and tp in (int, float) and f.default is not None and "none" not in text.lower():
+    if nullable and "none" not in text.lower() and (f.default is not None or tp is str):
         text += "; 'none' unsets it"
     return text.strip().replace("%", "%%")  # argparse %-formats help strings
 
 
 def _or_none(tp: type):
-    """argparse type for an ``int | None`` / ``float | None`` flag: 'none' or 'null' -> None."""
+    """argparse type for an ``X | None`` flag: 'none' or 'null' -> None (so a flag can unset
+    what ``--config`` set)."""
 
     def parse(text: str | int | float):
         if isinstance(text, str) and text.strip().lower() in ("none", "null"):
@@ -117,14 +118,28 @@ def build_parser(
                 f"got {f.type!r}; give it metadata={{'cli': False}} or change the type"
             )
         kw: dict[str, Any] = {"help": _help(f, tp, nullable), "dest": name}
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction if f.default is True else "store_true"
+        names = [_flag(name)]
+        if tp is bool:  # --x and its negation: a flag can undo what --config set
+            kw["action"] = _Toggle
+            names.append("--" + name[3:].replace("_", "-") if name.startswith("no_") else
+                         "--no-" + name.replace("_", "-"))  # fmt: skip
         else:
-            kw["type"] = _or_none(tp) if nullable and tp is not str else tp
+            kw["type"] = _or_none(tp) if nullable else tp
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
-        parser.add_argument(_flag(name), **kw)
+        parser.add_argument(*names, **kw)
     return parser
+
+
+class _Toggle(argparse.Action):
+    """A bool flag and its negation: ``--x`` sets True, ``--no-x`` False (``--no-x`` True and
+    ``--x`` False for a field named ``no_x``)."""
+
+    def __init__(self, option_strings, dest, default=None, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
 
 
 def _convert(key: str, value: Any, tp: type, nullable: bool, choices: Any) -> Any:

@@ -132,13 +132,25 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-        for name in ("save_steps", "eval_steps", "warmup_steps", "timeout_s"):
+        for name in ("save_steps", "eval_steps", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
                 )
         if not 0.0 <= self.eval_ratio < 1.0:
             raise ValueError(f"--eval-ratio must be in [0, 1), got {self.eval_ratio}")
+        if self.logger == "wandb":  # here: not after the model is built and outputs are opened
+            try:
+                import wandb  # noqa: F401
+            except ImportError as e:
+                raise ValueError(
+                    f"--logger wandb needs the wandb package ({e}): `pip install wandb`, or use "
+                    f"--logger tensorboard"
+                ) from None
+        if not 0 <= self.seed < 2**32:  # numpy's seed range
+            raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
+        if self.timeout_s < 1:
+            raise ValueError(f"--timeout-s must be >= 1 (seconds), got {self.timeout_s}")
         no_eval = self.eval_ratio == 0 and self.eval_dataset is None and self.eval_split is None
         if self.eval_steps and no_eval:
             raise ValueError(

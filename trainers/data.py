@@ -11,7 +11,7 @@ import csv
 import json
 import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import datasets
@@ -36,13 +36,23 @@ def make_default_path(name: str) -> str:
 def _load_one(item: str, split: str) -> datasets.Dataset:
     path = Path(item).expanduser()
     if path.is_dir():
+        index = path / "dataset_dict.json"
+        if index.is_file():  # a DatasetDict: load the one split (another may be unloadable)
+            splits = json.loads(index.read_text()).get("splits", [])
+            if split not in splits:
+                raise ValueError(f"split {split!r} of dataset {item!r}: expected one of {splits}")
+            path = path / split
+        elif split != "train" and (path / "dataset_info.json").is_file():  # one Dataset
+            raise ValueError(f"split {split!r} of dataset {item!r}: expected one of ['train']")
         try:
-            loaded = datasets.load_from_disk(str(path))
+            return datasets.load_from_disk(str(path))
         except FileNotFoundError:
             raise ValueError(
                 f"dataset {item!r}: expected a folder written by save_to_disk, got a folder "
                 "without its dataset_info.json / dataset_dict.json"
             ) from None
+        except IndexError:  # datasets cannot read back a saved split of 0 rows
+            raise ValueError(f"dataset {item!r}: split {split!r} holds no rows") from None
     elif path.is_file():
         builder = _BUILDERS.get(path.suffix.lower())
         if builder is None:
@@ -84,8 +94,10 @@ def _parse_probs(probs: str, n: int) -> list[float]:
     return [v / sum(values) for v in values]
 
 
-def _common_columns(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
-    """Keep only the columns every part has (first part's order), cast to the first's types."""
+def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[datasets.Dataset]:
+    """Keep only the columns every part has (first part's order), cast to the first's types; a
+    column that is text in some part and numbers in another becomes text everywhere (numbers
+    are read as their digits anyway)."""
     common = [c for c in parts[0].column_names if all(c in p.column_names for p in parts)]
     dropped = sorted({c for p in parts for c in p.column_names} - set(common))
     if not common:
@@ -94,8 +106,22 @@ def _common_columns(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
             f"{[p.column_names for p in parts]}"
         )
     parts = [p.select_columns(common) for p in parts]
-    features = parts[0].features
-    parts = [p if p.features == features else p.cast(features) for p in parts]
+    features = parts[0].features.copy()
+    text = datasets.Value("string")
+    for c in common:
+        kinds = [p.features[c] for p in parts]
+        if any(k != kinds[0] for k in kinds) and text in kinds:
+            features[c] = text
+    cast = []
+    for p, name in zip(parts, names):
+        try:
+            cast.append(p if p.features == features else p.cast(features))
+        except (ValueError, TypeError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(
+                f"dataset {name!r}: cannot be mixed with {names[0]!r}: its column types "
+                f"{dict(p.features)} do not convert to {dict(features)} ({e})"
+            ) from None
+    parts = cast
     if dropped:
         for p in parts:
             p.info.description = f"{p.info.description or ''}\n{_DROPPED}{dropped}".lstrip("\n")
@@ -121,7 +147,7 @@ def load_mixture(
     if len(parts) == 1:
         mixed = parts[0]
     else:
-        parts = _common_columns(parts)
+        parts = _common_columns(parts, items)
         if weights is None:
             mixed = datasets.concatenate_datasets(parts)
         else:
@@ -135,14 +161,19 @@ def load_mixture(
 
 
 def split_train_eval(
-    train: datasets.Dataset, eval_ds: datasets.Dataset | None, eval_ratio: float, seed: int
+    train: datasets.Dataset,
+    eval_ds: datasets.Dataset | None,
+    eval_ratio: float,
+    seed: int,
+    columns: Sequence[str] | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """``(train, eval)``: ``eval_ds`` as given, else a seeded ``eval_ratio`` holdout of ``train``.
 
     The holdout has at least 1 row; both keep their original row order and never overlap, in
     content too: a training row equal to a held-out one (a row that ``--dataset-probs`` mixing
-    repeats, or a duplicate in the data) is dropped from training. ``eval_ratio == 0`` and no
-    ``eval_ds`` gives ``(train, None)``.
+    repeats, or a duplicate in the data) is dropped from training. Rows are compared on
+    ``columns`` (the ones the trainer reads; default all), so an ``id`` column does not hide a
+    duplicate. ``eval_ratio == 0`` and no ``eval_ds`` gives ``(train, None)``.
     """
     if not 0 <= eval_ratio < 1:
         raise ValueError(f"eval_ratio: expected a float in [0, 1), got {eval_ratio!r}")
@@ -153,7 +184,9 @@ def split_train_eval(
         raise ValueError(f"eval_ratio: holding out needs at least 2 training rows, got {n}")
     n_eval = min(max(1, round(n * eval_ratio)), n - 1)
     held = set(random.Random(seed).sample(range(n), n_eval))
-    rows = [json.dumps(row, sort_keys=True, default=str) for row in train]
+    cols = train.column_names if columns is None else list(columns)
+    view = train.select_columns(cols)
+    rows = [json.dumps(row, sort_keys=True, default=str) for row in view]
     seen = {rows[i] for i in held}
     keep = [i for i in range(n) if i not in held and rows[i] not in seen]
     if not keep:

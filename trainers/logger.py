@@ -81,9 +81,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        if not resume:
-            self._file = open(self.path, "w")
-        if kind == "wandb":
+        if kind == "wandb":  # first: a missing or failing wandb leaves metrics.jsonl alone
             try:
                 import wandb
             except ImportError as e:
@@ -99,6 +97,8 @@ class MetricsLogger:
                 config=config,
                 **self._wandb_run(),
             )
+        if not resume:
+            self._file = open(self.path, "w")
 
     def _wandb_run(self) -> dict:
         """A fresh run gets a new id, kept in ``<output_dir>/wandb/run_id``; a resumed run

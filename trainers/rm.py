@@ -53,7 +53,7 @@ class Pair:
 def tokenize(rows, tokenizer, cfg: RMConfig, same: list | None = None):
     """Rows -> ``(pairs, dropped)``: ``dropped`` counts prompts filling --max-len; a pair whose
     chosen and rejected tokenize the same is left out (one entry appended to ``same``)."""
-    out, dropped = [], 0
+    out, dropped, equal = [], 0, 0
     pk = cfg.prompt_key or cfg.input_key
     for row in rows:
         enc = data.tokenize_pair(
@@ -69,11 +69,18 @@ def tokenize(rows, tokenizer, cfg: RMConfig, same: list | None = None):
             dropped += 1
             continue
         if enc["chosen_ids"] == enc["rejected_ids"]:  # no preference to learn (maybe cut short)
+            equal += 1
             if same is not None:
                 same.append(1)
             continue
         margin = float(row[cfg.margin_key]) if cfg.margin_key else 0.0
         out.append(Pair(torch.tensor(enc["chosen_ids"]), torch.tensor(enc["rejected_ids"]), margin))
+    if not out and equal:  # say why, rather than "no sample fits --max-len"
+        raise ValueError(
+            f"no pair to learn from: {equal} of {equal + dropped} pairs have chosen and rejected "
+            f"of the same tokens (maybe cut to --max-len {cfg.max_len}), {dropped} prompts fill "
+            f"--max-len"
+        )
     return out, dropped
 
 

@@ -79,6 +79,17 @@ def apply_optimizer_flags(engine, lr: float, weight_decay: float) -> None:
     sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
 
 
+def _position_table(mcfg) -> int | None:
+    """Rows of a learned absolute position table (GPT-2's ``n_positions``, OPT / GPT-Neo's
+    ``max_position_embeddings``): a longer sample indexes past it. None for RoPE / ALiBi models,
+    whose ``max_position_embeddings`` is no hard limit."""
+    if getattr(mcfg, "n_positions", None):
+        return int(mcfg.n_positions)
+    if getattr(mcfg, "model_type", None) in ("opt", "gpt_neo"):
+        return int(mcfg.max_position_embeddings)
+    return None
+
+
 @dataclass
 class Session:
     cfg: Any
@@ -129,6 +140,14 @@ class Session:
                 f"--tp-size {cfg.tp_size} must divide the model's attention heads ({heads}) "
                 f"and key/value heads ({kv})"
             )
+        longest = cfg.max_len + getattr(cfg, "max_new_tokens", 0)  # PPO: prompt + response
+        table = _position_table(mcfg)
+        if table is not None and longest > table:
+            what = "--max-len + --max-new-tokens" if kind == "ppo" else "--max-len"
+            common.fail(
+                f"{what} ({longest}) is longer than the model's {table} learned positions "
+                f"(its config's position table): lower it"
+            )
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return cls(cfg, kind, layout, model_path, tokenizer)
@@ -141,8 +160,6 @@ class Session:
         from trainers.logger import MetricsLogger
 
         cfg = self.cfg
-        if cfg.overwrite:
-            common.clear_checkpoints(cfg.output_dir, self.layout)
         self.logger = MetricsLogger(
             cfg.output_dir,
             kind=cfg.logger,
@@ -151,6 +168,8 @@ class Session:
             config=config_to_dict(cfg),
             resume=cfg.resume,
         )
+        if cfg.overwrite:  # after the logger opened: a logger that fails keeps them
+            common.clear_checkpoints(cfg.output_dir, self.layout)
         if self.layout.is_main:
             Path(cfg.output_dir, "config.json").write_text(
                 json.dumps(config_to_dict(cfg), indent=1)
@@ -184,7 +203,8 @@ class Session:
             data.check_values(eval_rows, keys, "evaluation dataset", chat)
             if check is not None:
                 check(eval_rows, f"evaluation data (--eval-split {cfg.eval_split or 'train'!r})")
-        train, held = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed)
+        read = [c for c in keys.values() if c is not None]  # the columns the trainer reads
+        train, held = data.split_train_eval(rows, eval_rows, cfg.eval_ratio, cfg.seed, read)
         held_out = len(held) if eval_rows is None and held is not None else 0  # from rows
         same = len(rows) - len(train) - held_out
         if same:
@@ -341,15 +361,16 @@ class Session:
 
         attn = "sdpa" if self.cfg.no_packing else register()
         dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
-        model = auto_cls.from_pretrained(
+        out = auto_cls.from_pretrained(
             self.model_path, attn_implementation=attn, dtype=dtype, **kwargs
         )
+        model = out[0] if isinstance(out, tuple) else out  # output_loading_info=True: a pair
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         model.config.use_cache = False
-        return model
+        return out
 
     def load_causal_lm(self):
         """The policy / reference model; its fused lm_head is checked against its own logits
@@ -367,8 +388,8 @@ class Session:
 
     def load_score_model(self, path: str | None = None):
         """``*ForSequenceClassification`` (one label) from a causal LM or reward-model folder.
-        A fresh ``score`` head is initialised from ``--seed``, so every layout starts from the
-        same weights."""
+        A folder without a ``score`` head (a causal LM) gets a fresh one initialised from
+        ``--seed``, so every layout starts from the same weights; a saved head is kept."""
         import math
 
         from transformers import AutoModelForSequenceClassification
@@ -376,11 +397,14 @@ class Session:
         saved = self.model_path
         self.model_path = path or saved
         try:
-            model = self._from_pretrained(AutoModelForSequenceClassification, num_labels=1)
+            model, info = self._from_pretrained(
+                AutoModelForSequenceClassification, num_labels=1, output_loading_info=True
+            )
         finally:
             self.model_path = saved
         model.config.pad_token_id = self.tokenizer.pad_token_id
-        if not getattr(model.config, "is_reward_model", False):
+        missing = info.get("missing_keys", ())
+        if any(k == "score.weight" or k.endswith(".score.weight") for k in missing):
             g = torch.Generator().manual_seed(self.cfg.seed)
             w = model.score.weight
             with torch.no_grad():
