@@ -363,3 +363,21 @@ def test_disabled_rank_writes_nothing(tmp_path):
     lg.log({"loss": 1.0}, 1)
     assert lg.close([("loss",)]) is None
     assert not out.exists()
+
+
+def test_a_missing_wandb_touches_no_output(tmp_path, monkeypatch):
+    """--overwrite used to delete the checkpoints and empty metrics.jsonl, then fail importing
+    wandb: the config check now fails first, and the logger imports before truncating."""
+    from trainers.config import TrainConfig
+    from trainers.logger import MetricsLogger
+
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ValueError, match="--logger wandb needs the wandb package"):
+        TrainConfig(logger="wandb").validate()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(ImportError):
+        MetricsLogger(str(tmp_path), kind="wandb")
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+    for bad, text in ((dict(seed=-1), "--seed must be in"), (dict(timeout_s=0), "--timeout-s")):
+        with pytest.raises(ValueError, match=text):
+            TrainConfig(**bad).validate()
