@@ -381,3 +381,16 @@ def test_a_missing_wandb_touches_no_output(tmp_path, monkeypatch):
     for bad, text in ((dict(seed=-1), "--seed must be in"), (dict(timeout_s=0), "--timeout-s")):
         with pytest.raises(ValueError, match=text):
             TrainConfig(**bad).validate()
+
+
+def test_none_unsets_optional_choices_and_yaml_text(tmp_path, capsys):
+    from trainers.ppo import PPOConfig
+
+    path = _yaml(tmp_path, "ref_zero_stage: 3\neval_split: none\n")
+    cfg = parse_config(PPOConfig, ["--config", path, "--ref-zero-stage", "none"])
+    assert (cfg.ref_zero_stage, cfg.eval_split) == (0, None)  # None: follows --zero-stage 0
+    with pytest.raises(SystemExit):
+        parse_config(PPOConfig, ["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--ref-zero-stage {0,3,none}" in out
+    assert "(must differ from --split) (default: None); 'none' unsets it" in out

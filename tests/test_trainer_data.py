@@ -310,6 +310,10 @@ def test_mixed_column_types(tmp_path):
     assert load_mixture(f"{strs},{ints}", None, "train", 0, None)["response"][2:4] == ["word", "0"]
     with pytest.raises(ValueError, match="lists.jsonl': cannot be mixed with '.*ints.jsonl'"):
         load_mixture(f"{ints},{lists}", None, "train", 0, None)
+    # numbers that are numbers in both stay numbers (a CSV's number text casts to them)
+    (tmp_path / "nums.csv").write_text("prompt,response\nz,7\n")
+    mixed = load_mixture(f"{ints},{tmp_path / 'nums.csv'}", None, "train", 0, None)
+    assert mixed["response"] == [0, 1, 2, 7]
 
 
 def test_check_keys_message():

@@ -191,6 +191,7 @@ def test_split_responses_post_processing():
     assert cut_at_eos([5, 6, E, 7, E], E) == [5, 6, E] and cut_at_eos([5, 6], E) == [5, 6]
     # several stop ids (EOS and an end-of-turn id): the first of any ends the response
     assert split_responses(seqs, 3, [E, 9], P) == [[8, 9], [9], [E], [9]]
+    assert cut_at_eos([5, E, 6], np.int64(E)) == [5, E]
     assert split_responses(torch.tensor([[3, 4, 7, P, P]]), 2, [E, P], P) == [[7, P]]
     with pytest.raises(ValueError, match="prompt_width"):
         split_responses(seqs, 9, E, P)

@@ -621,7 +621,8 @@ def test_score_head_is_kept_from_a_saved_classifier(tmp_path):
 
 
 def test_rm_names_equal_pairs_when_none_is_left():
-    """Every pair chosen == rejected: the error used to say no sample fits --max-len."""
+    """Every training pair chosen == rejected: the error used to say no sample fits --max-len;
+    equal eval pairs alone are no error (counted, dropped)."""
     from transformers import AutoTokenizer
 
     from trainers import rm
@@ -629,11 +630,13 @@ def test_rm_names_equal_pairs_when_none_is_left():
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny())
     rows = [{"prompt": "p", "chosen": "abc", "rejected": "abc"}] * 3
-    with pytest.raises(ValueError, match="3 of 3 pairs have chosen and rejected of the same"):
-        rm.tokenize(rows, tok, rm.RMConfig(max_len=64))
-    pairs, dropped = rm.tokenize(rows + [{"prompt": "p", "chosen": "a", "rejected": "b"}], tok,
-                                 rm.RMConfig(max_len=64))  # fmt: skip
-    assert (len(pairs), dropped) == (1, 0)
+    same: list[int] = []
+    assert rm.tokenize(rows, tok, rm.RMConfig(max_len=64), same) == ([], 0)
+    good = [{"prompt": "p", "chosen": "a", "rejected": "b"}]
+    pairs, dropped = rm.tokenize(rows + good, tok, rm.RMConfig(max_len=64), same)
+    assert (len(pairs), dropped, same) == (1, 0, [3, 3])
+    assert "3 training pairs have chosen and rejected" in rm.equal_pairs_reason(same, 64)
+    assert rm.equal_pairs_reason([0, 3], 64) is None
 
 
 def test_learned_position_tables_bound_max_len():

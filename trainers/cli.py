@@ -5,14 +5,15 @@ annotation: ``int``, ``float``, ``str``, ``bool`` or ``X | None`` / ``Optional[X
 (string annotations from ``from __future__ import annotations`` are resolved). Field metadata:
 
 - ``help``: the flag's help; " (default: X)" is appended unless the help already says
-  "(default:". ``bool`` fields are ``store_true`` flags ("(flag)"), or ``--x/--no-x`` when the
-  default is True.
+  "(default:". ``bool`` fields are a flag and its negation: ``--x/--no-x`` (``--no-x/--x``
+  for a field named ``no_x``), so the command line can undo a YAML ``true``.
 - ``choices``: allowed values, checked for flags and YAML values alike.
 - ``cli``: ``False`` gives the field no flag (it can still be set from YAML).
 
 ``--config FILE.yaml`` is a mapping of field names (``max_len`` or ``max-len``) to values,
 applied first: flags given on the command line win. YAML values are converted with the flag's
-type (PyYAML reads ``1e-4`` as a string; it becomes a float); ``null`` only for ``X | None``.
+type (PyYAML reads ``1e-4`` as a string; it becomes a float); ``null`` only for ``X | None``,
+whose flags also take ``none`` (so a flag can unset a YAML value).
 
 Errors exit with status 2 and one line ``prog: error: ...``: a bad flag value or choice
 (argparse), an unknown YAML key (the valid ones are listed), a YAML value of the wrong type
@@ -60,12 +61,13 @@ def _flag(name: str) -> str:
 
 def _help(f: dataclasses.Field, tp: type, nullable: bool) -> str:
     text = f.metadata.get("help", "")
+    unset = nullable and "none" not in text.lower()  # the user's words, before the default
     if tp is bool and f.default is not True:
         text += " (flag)"
     elif "(default:" not in text:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         text += f" (default: {default})"
-    if nullable and "none" not in text.lower() and (f.default is not None or tp is str):
+    if unset:
         text += "; 'none' unsets it"
     return text.strip().replace("%", "%%")  # argparse %-formats help strings
 
@@ -125,8 +127,10 @@ def build_parser(
                          "--no-" + name.replace("_", "-"))  # fmt: skip
         else:
             kw["type"] = _or_none(tp) if nullable else tp
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
+            if "choices" in f.metadata:  # None passes too where 'none' unsets the field
+                kw["choices"] = (*f.metadata["choices"], *([None] if nullable else []))
+                shown = [str(c) for c in f.metadata["choices"]] + (["none"] if nullable else [])
+                kw["metavar"] = "{" + ",".join(shown) + "}"
         parser.add_argument(*names, **kw)
     return parser
 
@@ -160,7 +164,7 @@ def _convert(key: str, value: Any, tp: type, nullable: bool, choices: Any) -> An
     elif tp is str:
         if not isinstance(value, (str, int, float)):
             raise bad
-        value = str(value)
+        value = (_or_none(str) if nullable else str)(value)  # 'none' as on the command line
     else:  # int or float: numbers, or strings such as "1e-4" that PyYAML leaves unparsed
         if not isinstance(value, (str, int, float)) or (tp is int and isinstance(value, float)):
             raise bad
@@ -168,7 +172,7 @@ def _convert(key: str, value: Any, tp: type, nullable: bool, choices: Any) -> An
             value = (_or_none(tp) if nullable else tp)(value)  # 'none' as on the command line
         except ValueError:
             raise bad from None
-    if choices is not None and value not in choices:
+    if choices is not None and value is not None and value not in choices:
         raise bad
     return value
 

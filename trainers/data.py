@@ -95,9 +95,9 @@ def _parse_probs(probs: str, n: int) -> list[float]:
 
 
 def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[datasets.Dataset]:
-    """Keep only the columns every part has (first part's order), cast to the first's types; a
-    column that is text in some part and numbers in another becomes text everywhere (numbers
-    are read as their digits anyway)."""
+    """Keep only the columns every part has (first part's order), cast to the first's types;
+    when that fails for a column that is text in some part (words vs numbers), it becomes text
+    everywhere (numbers are read as their digits anyway)."""
     common = [c for c in parts[0].column_names if all(c in p.column_names for p in parts)]
     dropped = sorted({c for p in parts for c in p.column_names} - set(common))
     if not common:
@@ -106,26 +106,32 @@ def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[dat
             f"{[p.column_names for p in parts]}"
         )
     parts = [p.select_columns(common) for p in parts]
-    features = parts[0].features.copy()
-    text = datasets.Value("string")
-    for c in common:
-        kinds = [p.features[c] for p in parts]
-        if any(k != kinds[0] for k in kinds) and text in kinds:
-            features[c] = text
-    cast = []
+    try:
+        parts = _cast_all(parts, parts[0].features, names)
+    except ValueError:
+        features = parts[0].features.copy()
+        text = datasets.Value("string")
+        for c in common:
+            if text in [p.features[c] for p in parts]:
+                features[c] = text
+        parts = _cast_all(parts, features, names)
+    if dropped:
+        for p in parts:
+            p.info.description = f"{p.info.description or ''}\n{_DROPPED}{dropped}".lstrip("\n")
+    return parts
+
+
+def _cast_all(parts, features, names: list[str]) -> list[datasets.Dataset]:
+    out = []
     for p, name in zip(parts, names):
         try:
-            cast.append(p if p.features == features else p.cast(features))
+            out.append(p if p.features == features else p.cast(features))
         except (ValueError, TypeError) as e:  # pyarrow's ArrowInvalid is a ValueError
             raise ValueError(
                 f"dataset {name!r}: cannot be mixed with {names[0]!r}: its column types "
                 f"{dict(p.features)} do not convert to {dict(features)} ({e})"
             ) from None
-    parts = cast
-    if dropped:
-        for p in parts:
-            p.info.description = f"{p.info.description or ''}\n{_DROPPED}{dropped}".lstrip("\n")
-    return parts
+    return out
 
 
 def load_mixture(

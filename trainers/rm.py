@@ -51,8 +51,8 @@ class Pair:
 
 
 def tokenize(rows, tokenizer, cfg: RMConfig, same: list | None = None):
-    """Rows -> ``(pairs, dropped)``: ``dropped`` counts prompts filling --max-len; a pair whose
-    chosen and rejected tokenize the same is left out (one entry appended to ``same``)."""
+    """Rows -> ``(pairs, dropped)``: ``dropped`` counts prompts filling --max-len; pairs whose
+    chosen and rejected tokenize the same are left out, their count appended to ``same``."""
     out, dropped, equal = [], 0, 0
     pk = cfg.prompt_key or cfg.input_key
     for row in rows:
@@ -70,18 +70,23 @@ def tokenize(rows, tokenizer, cfg: RMConfig, same: list | None = None):
             continue
         if enc["chosen_ids"] == enc["rejected_ids"]:  # no preference to learn (maybe cut short)
             equal += 1
-            if same is not None:
-                same.append(1)
             continue
         margin = float(row[cfg.margin_key]) if cfg.margin_key else 0.0
         out.append(Pair(torch.tensor(enc["chosen_ids"]), torch.tensor(enc["rejected_ids"]), margin))
-    if not out and equal:  # say why, rather than "no sample fits --max-len"
-        raise ValueError(
-            f"no pair to learn from: {equal} of {equal + dropped} pairs have chosen and rejected "
-            f"of the same tokens (maybe cut to --max-len {cfg.max_len}), {dropped} prompts fill "
-            f"--max-len"
-        )
+    if same is not None:
+        same.append(equal)
     return out, dropped
+
+
+def equal_pairs_reason(same: list[int], max_len: int) -> str | None:
+    """Why no training pair is left when the training rows' (first) count of equal pairs says so
+    (the error used to blame --max-len alone)."""
+    if not same or not same[0]:
+        return None
+    return (
+        f"no pair to learn from: {same[0]} training pairs have chosen and rejected of the same "
+        f"tokens (maybe cut to --max-len {max_len}), the others' prompts fill --max-len"
+    )
 
 
 class _RingSum(torch.autograd.Function):
@@ -185,14 +190,15 @@ def train(cfg: RMConfig) -> dict:
         "--rejected-key": cfg.rejected_key,
         "--margin-key": cfg.margin_key,
     }
-    same: list = []  # pairs whose chosen and rejected tokenize the same: dropped, counted
+    same: list[int] = []  # per dataset (train, eval): pairs of equal tokens, dropped
     train_set, eval_set = s.load_data(
         keys,
         lambda rows: tokenize(rows, s.tokenizer, cfg, same),
         lengths=lambda p: len(p.chosen) + len(p.rejected),
+        why_empty=lambda: equal_pairs_reason(same, cfg.max_len),
     )
-    if same:
-        s.print(f"dropped {len(same)} pairs whose chosen and rejected are the same tokens")
+    if sum(same):
+        s.print(f"dropped {sum(same)} pairs whose chosen and rejected are the same tokens")
     model = s.load_score_model()  # *ForSequenceClassification, seeded fresh score head
     engine, start = s.build(RewardModel(model))
     engine.train()  # from_pretrained returns eval mode: the config's dropout applies in training

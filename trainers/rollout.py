@@ -9,6 +9,7 @@ the same protocol and replace it without touching the trainer.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -71,7 +72,7 @@ _GREEDY = {"temperature": None, "top_p": None, "top_k": None}
 def cut_at_eos(tokens: list[int], eos: int | Sequence[int]) -> list[int]:
     """``tokens`` up to and including its first ``eos`` (one id or any of several ids; all of
     ``tokens`` when there is none)."""
-    stops = {eos} if isinstance(eos, int) else set(eos)
+    stops = {eos} if isinstance(eos, numbers.Integral) else set(eos)
     for i, t in enumerate(tokens):
         if t in stops:
             return tokens[: i + 1]
@@ -93,7 +94,7 @@ def split_responses(
             f"{sequences.shape[-1] if sequences.dim() else 0}, got shape "
             f"{tuple(sequences.shape)} and prompt_width={prompt_width}"
         )
-    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    stops = {eos_id} if isinstance(eos_id, numbers.Integral) else set(eos_id)
     out = []
     for row in sequences[:, prompt_width:].tolist():
         row = cut_at_eos(row, stops)

@@ -214,15 +214,18 @@ class Session:
             )
         return train, held
 
-    def load_data(self, keys: dict, tokenize, lengths):
-        """Rows -> tokenized train and eval samples; every problem is an ``error:`` exit."""
+    def load_data(self, keys: dict, tokenize, lengths, why_empty=None):
+        """Rows -> tokenized train and eval samples; every problem is an ``error:`` exit.
+        ``why_empty()``: the trainer's reason when no training sample is left (None: its
+        prompts fill ``--max-len``)."""
         cfg = self.cfg
         try:
             rows, eval_rows = self._rows(keys, "training")
             train, dropped = tokenize(rows)
             evals, eval_dropped = tokenize(eval_rows) if eval_rows is not None else ([], 0)
             if not train:
-                raise ValueError(f"no training sample fits --max-len {cfg.max_len}")
+                reason = why_empty() if why_empty is not None else None
+                raise ValueError(reason or f"no training sample fits --max-len {cfg.max_len}")
             problem = common.check_lengths(
                 [lengths(s) for s in train + evals], cfg.micro_batch_tokens, "training/eval"
             )
