@@ -378,7 +378,9 @@ def test_a_missing_wandb_touches_no_output(tmp_path, monkeypatch):
     with pytest.raises(ImportError):
         MetricsLogger(str(tmp_path), kind="wandb")
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
-    for bad, text in ((dict(seed=-1), "--seed must be in"), (dict(timeout_s=0), "--timeout-s")):
+    cases = [(dict(seed=-1), "--seed must be in"), (dict(timeout_s=0), "--timeout-s")]
+    cases.append((dict(offload=True), "it needs --zero-stage 1, 2 or 3, got 0"))  # no-op at 0
+    for bad, text in cases:
         with pytest.raises(ValueError, match=text):
             TrainConfig(**bad).validate()
 

@@ -648,3 +648,44 @@ def test_learned_position_tables_bound_max_len():
     assert _position_table(GPT2Config(n_positions=16)) == 16
     assert _position_table(OPTConfig(max_position_embeddings=64)) == 64
     assert _position_table(LlamaConfig(max_position_embeddings=64)) is None  # RoPE: no table
+
+
+ENGINE_SCRIPT = r"""
+import json, types, torch
+from trainers.prebuild import use_prebuilt_ops
+use_prebuilt_ops()
+from trainers.distributed import init_distributed
+from trainers.engine import build_engine, build_frozen
+layout = init_distributed(1, 1)
+out = {}
+for stage in (0, 1):
+    cfg = types.SimpleNamespace(zero_stage=stage, dtype="bf16", offload=False, max_grad_norm=0.0,
+        lr=0.5, weight_decay=0.5, warmup_steps=0, lr_scheduler="constant")
+    torch.manual_seed(0)
+    eng = build_engine(torch.nn.Linear(4, 1, bias=False).to(torch.bfloat16), cfg, layout, 10)
+    eng.backward(eng(torch.arange(8.0).view(2, 4).bfloat16()).float().sum())
+    eng.step()
+    out[stage] = eng.module.weight.float().tolist()
+cfg = types.SimpleNamespace(**{**vars(cfg), "ref_zero_stage": 3, "ref_offload": False})
+frozen = build_frozen(torch.nn.Linear(4, 1), cfg, layout)
+out["frozen"] = str(next(frozen.parameters()).dtype)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_bf16_zero0_steps_as_zero1_and_frozen_models_keep_their_dtype():
+    """DeepSpeed's bf16 optimizer at ZeRO 0 took an AdamW step on zero gradients when built
+    (Adam's count started at 1, weight decay applied once): ZeRO 0 and 1 disagreed from the
+    first step. A ZeRO-3 frozen fp32 model (PPO's reward model) was cast to bf16."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["0"] == got["1"], got
+    assert got["frozen"] == "torch.float32"

@@ -69,7 +69,7 @@ class TrainConfig:
     ring_attn_size: int = _f(1, "ranks per ring-attention (sequence-parallel) group")
     ring_layout: str = _f("zigzag", "token placement on the ring", choices=("zigzag", "contiguous"))
     zero_stage: int = _f(0, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3))
-    offload: bool = _f(False, "keep the optimizer states on the CPU (DeepSpeed offload)")
+    offload: bool = _f(False, "optimizer states on the CPU (DeepSpeed offload; --zero-stage 1-3)")
     tp_size: int = _f(1, "DeepSpeed AutoTP tensor-parallel size")
     dtype: str = _f(
         "fp32", "training dtype (bf16: bf16 weights, fp32 master copy)", choices=("fp32", "bf16")
@@ -163,6 +163,11 @@ class TrainConfig:
             raise ValueError(
                 f"--weight-decay and --max-grad-norm must be >= 0, got {self.weight_decay}, "
                 f"{self.max_grad_norm}"
+            )
+        if self.offload and self.zero_stage == 0:
+            raise ValueError(
+                "--offload keeps ZeRO's optimizer partitions on the CPU: it needs --zero-stage "
+                "1, 2 or 3, got 0"
             )
         if self.tp_size > 1 and self.zero_stage == 3:
             raise ValueError(

@@ -98,11 +98,29 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=opt, lr_scheduler=sched, config=ds_config(cfg, layout)
     )
+    _undo_init_step(engine)
     if not check_tp_inputs and getattr(engine, "first_dataloader_check", None) is not None:
         engine.first_dataloader_check.remove()  # AutoTP's pickle-and-compare of the 1st forward
         engine.first_dataloader_check = None
     engine.rk_max_grad_norm = cfg.max_grad_norm if clips_itself(cfg, layout) else None
     return engine
+
+
+def _undo_init_step(engine) -> None:
+    """DeepSpeed 0.19.8 wraps a bf16 model's optimizer at ZeRO 0 in ``FP16_UnfusedOptimizer``,
+    which takes one optimizer step on zero gradients when built: AdamW's step count starts at 1
+    (the first real update is ~0.74 lr) and weight decay shrinks the fp32 master weights once.
+    Undo it (fresh optimizer state, master weights = the model's), so ZeRO 0 steps as 1-3 do."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, FP16_UnfusedOptimizer):
+        return
+    opt.optimizer.state.clear()
+    with torch.no_grad():
+        for low, high in zip(opt.fp16_groups, opt.fp32_groups, strict=True):
+            for p, master in zip(low, high, strict=True):
+                master.copy_(p.float())
 
 
 @contextlib.contextmanager
@@ -145,6 +163,8 @@ def build_frozen(module: torch.nn.Module, cfg, layout: Layout) -> torch.nn.Modul
     if cfg.ref_offload:
         zero["offload_param"] = {"device": "cpu"}
     config = {**ds_config(cfg, layout), "zero_optimization": zero}  # --tp-size 1 (validated)
+    # the model's own dtype: an fp32 reward model stays fp32 under --dtype bf16, as at stage 0
+    config["bf16"] = {"enabled": next(module.parameters()).dtype == torch.bfloat16}
     engine, _, _, _ = deepspeed.initialize(model=module, config=config)
     engine.eval()
     return engine.module
