@@ -661,7 +661,6 @@ def test_reference_memory_flags_are_checked():
         (dict(lam=0.5, critic_lr=5.0), "--critic-lr 5.0, --lam 0.5: used by --advantage-est"),
         (dict(value_clip=0.5, advantage_estimator="rloo"), "got --advantage-estimator rloo"),
         (dict(kl_in_loss=True), "--kl-in-loss adds --kl-coef x KL to the loss"),
-        (dict(rollout_distribution="broadcast"), "it needs --ring-attn-size > 1"),
         (dict(eval_steps=2, eval_ratio=0.0), "--eval-steps 2 evaluates held-out data"),
         # --ref-offload implies --ref-zero-stage 3: the advice names the flag the user gave
         (dict(ref_offload=True, tp_size=2), "with --tp-size 2 .*drop --ref-offload"),
@@ -680,6 +679,7 @@ def test_gae_flags_and_evaluation_sources_are_accepted():
 
     PPOConfig(advantage_estimator="gae", lam=0.5, critic_lr=5.0, value_clip=0.0).validate()
     PPOConfig(kl_in_loss=True, kl_coef=0.1, ring_attn_size=2, batch_size=128).validate()
+    PPOConfig(rollout_distribution="broadcast").validate()  # one command line for any ring
     for source in (dict(eval_dataset="x.jsonl"), dict(eval_split="test")):
         PPOConfig(eval_steps=2, eval_ratio=0.0, **source).validate()
 

@@ -176,14 +176,6 @@ class PPOConfig(TrainConfig):
             )
         if self.kl_in_loss and self.kl_coef == 0:
             raise ValueError("--kl-in-loss adds --kl-coef x KL to the loss: give --kl-coef > 0")
-        if (
-            self.rollout_distribution != defaults["rollout_distribution"]
-            and self.ring_attn_size < 2
-        ):
-            raise ValueError(
-                f"--rollout-distribution {self.rollout_distribution} sends rollouts to the ranks "
-                f"of a ring: it needs --ring-attn-size > 1"
-            )
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
