@@ -184,13 +184,12 @@ def _check_plan_args(lengths, max_tokens, num_groups) -> list[int]:
     for i, n in enumerate(lengths):
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise ValueError(f"lengths[{i}] must be an int >= 0 (a token count), got {n!r}")
-        lens.append(int(n))
-    for i, n in enumerate(lens):
         if n > max_tokens:
             raise ValueError(
                 f"sample {i} has {n} tokens, more than max_tokens={max_tokens}; "
                 f"truncate it or raise the budget"
             )
+        lens.append(int(n))
     return lens
 
 

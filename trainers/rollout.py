@@ -69,10 +69,14 @@ _NEUTRAL = {
 _GREEDY = {"temperature": None, "top_p": None, "top_k": None}
 
 
+def _stop_set(eos: int | Sequence[int]) -> set[int]:
+    return {eos} if isinstance(eos, numbers.Integral) else set(eos)
+
+
 def cut_at_eos(tokens: list[int], eos: int | Sequence[int]) -> list[int]:
     """``tokens`` up to and including its first ``eos`` (one id or any of several ids; all of
     ``tokens`` when there is none)."""
-    stops = {eos} if isinstance(eos, numbers.Integral) else set(eos)
+    stops = _stop_set(eos)
     for i, t in enumerate(tokens):
         if t in stops:
             return tokens[: i + 1]
@@ -94,7 +98,7 @@ def split_responses(
             f"{sequences.shape[-1] if sequences.dim() else 0}, got shape "
             f"{tuple(sequences.shape)} and prompt_width={prompt_width}"
         )
-    stops = {eos_id} if isinstance(eos_id, numbers.Integral) else set(eos_id)
+    stops = _stop_set(eos_id)
     out = []
     for row in sequences[:, prompt_width:].tolist():
         row = cut_at_eos(row, stops)
