@@ -674,6 +674,28 @@ def test_rl_hyper_parameters_are_checked(kw, expected):
         PPOConfig(**kw).validate()
 
 
+def test_critic_flags_given_at_their_default_are_refused_without_gae(tmp_path, capsys):
+    # `--lam 0.95` is the default value: comparing with the default let it pass silently
+    from trainers.cli import config_to_dict, parse_config
+    from trainers.ppo import PPOConfig
+
+    for argv in (["--lam", "0.95"], ["--critic-lr", "1e-3"], ["--value-clip", "0.2"]):
+        with pytest.raises(SystemExit):
+            parse_config(PPOConfig, ["--advantage-estimator", "grpo", *argv])
+        assert "used by --advantage-estimator gae only" in capsys.readouterr().err
+    cfg = parse_config(PPOConfig, ["--advantage-estimator", "gae", "--lam", "0.95"])
+    assert cfg.lam == 0.95
+    # a run's config.json (every field, at its value) is a valid --config for the same run
+    dump = tmp_path / "config.json"
+    dump.write_text(json.dumps(config_to_dict(PPOConfig(advantage_estimator="rloo"))))
+    assert parse_config(PPOConfig, ["--config", str(dump)]).advantage_estimator == "rloo"
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("advantage_estimator: rloo\nlam: 0.5\n")  # away from the default
+    with pytest.raises(SystemExit):
+        parse_config(PPOConfig, ["--config", str(yaml_file)])
+    assert "--lam 0.5: used by --advantage-estimator gae only" in capsys.readouterr().err
+
+
 def test_gae_flags_and_evaluation_sources_are_accepted():
     from trainers.ppo import PPOConfig
 

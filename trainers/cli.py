@@ -18,7 +18,10 @@ whose flags also take ``none`` (so a flag can unset a YAML value).
 Errors exit with status 2 and one line ``prog: error: ...``: a bad flag value or choice
 (argparse), an unknown YAML key (the valid ones are listed), a YAML value of the wrong type
 (key, expected type and given value are named), and the ``ValueError`` of the config's
-optional ``validate()`` method, called on the resolved config.
+optional ``validate()`` method, called on the resolved config. ``validate()`` can ask
+``is_set(cfg, name)`` whether a field was set: given as a flag (even at its default value) or
+away from its default (YAML values at the default do not count: a YAML file may be a full dump
+such as a run's ``config.json``).
 """
 
 from __future__ import annotations
@@ -220,11 +223,23 @@ def parse_config(
             values.update(_load_yaml(ns.pop("config"), fields))
         values.update(ns)
         cfg = cls(**values)
+        object.__setattr__(cfg, _GIVEN, frozenset(ns))
         if callable(getattr(cfg, "validate", None)):
             cfg.validate()
     except ValueError as e:
         parser.error(str(e))
     return cfg
+
+
+_GIVEN = "_cli_flags"  # attribute: the field names parse_config got as command-line flags
+
+
+def is_set(cfg: Any, name: str) -> bool:
+    """Whether field ``name`` of ``cfg`` differs from its default or was given as a flag to
+    ``parse_config`` (even at its default value)."""
+    f = {f.name: f for f in dataclasses.fields(cfg)}[name]
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return name in getattr(cfg, _GIVEN, ()) or getattr(cfg, name) != default
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from rlhf_kernels.ops.linear_logprobs import linear_logprobs
 from rlhf_kernels.ops.losses import kl_penalty, policy_loss, value_loss
 from rlhf_kernels.packing import plan_micro_batches
 from trainers import common, ppo_ring, rewards
+from trainers.cli import is_set
 from trainers.config import TrainConfig
 from trainers.distributed import Layout, max_across, sum_across
 from trainers.engine import accumulate, build_frozen, checkpointing, optimizer_step
@@ -164,10 +165,7 @@ class PPOConfig(TrainConfig):
                 f"--critic-model is used by --advantage-estimator gae only (it trains the value "
                 f"model), got --advantage-estimator {self.advantage_estimator}"
             )
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        critic_flags = [
-            n for n in ("critic_lr", "value_clip", "lam") if getattr(self, n) != defaults[n]
-        ]
+        critic_flags = [n for n in ("critic_lr", "value_clip", "lam") if is_set(self, n)]
         if critic_flags and self.advantage_estimator != "gae":
             given = ", ".join(f"--{n.replace('_', '-')} {getattr(self, n)}" for n in critic_flags)
             raise ValueError(
