@@ -569,11 +569,13 @@ def test_mask_structures_it_cannot_apply_raise():
     with pytest.raises(ValueError, match="or_mask"):  # the image-token block overlay
         blocks = torch.tensor([[-1, 0, 0, 0, -1, -1]])
         create_causal_mask(cfg, torch.zeros(1, 6, 64), None, None, block_sequence_ids=blocks)
-    # what it applies itself passes: causal, windows, packing
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    packed = packed_sequence_compatibility_function(causal_mask_function, pos, pos)
-    for fn in (causal_mask_function, sliding_window_causal_mask_function(3), packed):
+    # what it applies itself passes: causal, windows, packing (whose segment numbers it hands on)
+    for fn in (causal_mask_function, sliding_window_causal_mask_function(3)):
         assert hf.padding_mask(mask_function=fn, **kw) is None
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    packed = packed_sequence_compatibility_function(causal_mask_function, segments, segments)
+    got = hf.padding_mask(mask_function=packed, **kw)
+    assert got.dtype == torch.int32 and got.tolist() == segments.tolist()
 
 
 def test_static_cache_raises_instead_of_attending_to_empty_slots(tmp_path_factory):
@@ -602,3 +604,79 @@ def test_register_warns_below_the_tested_transformers(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hf.register("rlhf_kernels_new_tf")  # the installed (tested) version: silent
+
+
+@pytest.mark.parametrize(
+    "cfg_cls,model_cls,cfg",
+    [  # their attention layers do not pass position_ids on to the attention function
+        ("PersimmonConfig", "PersimmonForCausalLM", dict(hidden_size=32, num_attention_heads=4)),
+        ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=32, n_head=4)),
+    ],
+)
+def test_packed_position_ids_in_layers_that_do_not_forward_them(cfg_cls, model_cls, cfg, tmp_path):
+    """transformers finds the packed samples from position_ids at model level; these layers
+    got no position_ids and attended across samples (0.3 off per-sample eager)."""
+    eager, ours = _pair(
+        cfg_cls, model_cls, tmp_path, ref="eager", vocab_size=VOCAB, num_hidden_layers=2,
+        intermediate_size=32, n_layer=2,
+    )  # fmt: skip
+    samples = _samples()
+    ids = torch.cat(samples)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    with torch.no_grad():
+        alone = torch.cat([eager(input_ids=s[None], use_cache=False).logits for s in samples], 1)
+        got = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+        want = eager(input_ids=ids, position_ids=pos, use_cache=False).logits
+    # fp64 models whose rotary tables are fp32: 3e-7 between eager packed and alone
+    torch.testing.assert_close(want, alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "cfg_cls,model_cls,cfg",
+    [
+        ("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=32, n_head=4, rotary_dim=4)),
+        ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_head=4)),
+    ],
+)
+def test_models_that_never_call_the_attention_interface_are_refused(cfg_cls, model_cls, cfg):
+    """They compute attention in their own layers from the mask transformers builds, which
+    ours leaves to the attention function: they ran with no causal mask at all."""
+    hf.register()
+    config = getattr(transformers, cfg_cls)(vocab_size=VOCAB, n_layer=2, **cfg)
+    config._attn_implementation = "rlhf_kernels"
+    model = getattr(transformers, model_cls)(config).eval()
+    with pytest.raises(ValueError, match="never calls transformers' AttentionInterface"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    assert hf._uses_attention_interface(transformers.LlamaConfig)
+
+
+def test_value_heads_narrower_than_query_heads(tmp_path):
+    """MLA (DeepSeek-V3: qk head_dim 24, v head_dim 8): v was reshaped with the query's
+    head_dim, so 6 tokens became 2 and the forward failed."""
+    sdpa, ours = _pair(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", tmp_path, vocab_size=VOCAB, hidden_size=32,
+        intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+    )  # fmt: skip
+    samples = _samples([6, 9])
+    packed = hf.packed_model_inputs(samples)
+    with torch.no_grad():
+        alone = torch.cat([sdpa(input_ids=s[None], use_cache=False).logits for s in samples], 1)
+        got = ours(**{k: v for k, v in packed.items() if k != "labels"}, use_cache=False).logits
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-10)
+    # and the attention function alone, with a value wider than the query
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 12)
+    out, _ = hf.rlhf_attention_forward(torch.nn.Module(), q, k, v, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_sliding_window_must_be_an_int():
+    # the 8th positional parameter is sdpa's is_causal: True used to become a window of 1
+    q = torch.randn(1, 2, 5, 8)
+    for bad in (True, 2.5):
+        with pytest.raises(TypeError, match="sliding_window must be an int or None"):
+            hf.rlhf_attention_forward(torch.nn.Module(), q, q, q, None, 0.0, None, bad)

@@ -44,6 +44,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
+import numbers
 import threading
 import warnings
 import weakref
@@ -141,13 +143,14 @@ _POS_CACHE: list = [None]  # [(weakref to position_ids, version, shape, (cu_seql
 
 
 def _segments_from_position_ids(
-    pos: torch.Tensor, refresh: bool = False, rows: int | None = None
+    pos: torch.Tensor, refresh: bool = False, rows: int | None = None, step: int = 1
 ) -> tuple[torch.Tensor, int]:
     """``(B, S)`` position ids -> (int32 cu_seqlens over the flattened ``B * S`` tokens, max len).
     ``rows``: the batch size when ``pos`` is one row shared by every row (``(1, S)``, expanded
     here so that the cache sees the caller's tensor, not a new expanded view per layer).
+    ``step=0``: ``pos`` holds segment numbers (transformers' packed-sequence mask) instead.
 
-    A sample starts at each row start and wherever ``pos[t] != pos[t - 1] + 1``. The result for
+    A sample starts at each row start and wherever ``pos[t] != pos[t - 1] + step``. The result for
     the last tensor seen is cached (weak reference + in-place version), so the layers of one
     forward compute it once; ``refresh`` (the first layer, see :func:`_first_layer`) recomputes
     it, so a write the version counter misses (``dist.broadcast`` into a reused buffer) is seen
@@ -155,13 +158,13 @@ def _segments_from_position_ids(
     """
     with _POS_CACHE_LOCK:
         hit = None if refresh else _POS_CACHE[0]
-        key = (pos.shape, rows)
+        key = (pos.shape, rows, step)
         if hit is not None and hit[0]() is pos and hit[1] == _version(pos) and hit[2] == key:
             return hit[3]
     seq = pos.shape[-1]
     flat = (pos if rows is None else pos.expand(rows, -1)).reshape(-1)
     start = torch.ones_like(flat, dtype=torch.bool)
-    start[1:] = flat[1:] != flat[:-1] + 1
+    start[1:] = flat[1:] != flat[:-1] + step
     start[::seq] = True
     bounds = torch.cat(
         [start.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)]
@@ -169,7 +172,7 @@ def _segments_from_position_ids(
     cu = bounds.to(torch.int32)
     result = (cu, int(bounds.diff().max()))
     with _POS_CACHE_LOCK:
-        _POS_CACHE[0] = (weakref.ref(pos), _version(pos), (pos.shape, rows), result)
+        _POS_CACHE[0] = (weakref.ref(pos), _version(pos), key, result)
     return result
 
 
@@ -213,6 +216,8 @@ def _version(t: torch.Tensor) -> int | None:
 def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     if sliding_window is None:
         return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
+        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
     if int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     left = int(sliding_window) - 1  # transformers: key j visible when j > i - sliding_window
@@ -251,21 +256,43 @@ def rlhf_attention_forward(
     backend: str = "auto",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function (signature of ``sdpa_attention_forward``).
+    """transformers attention function (the parameter order of ``flash_attention_forward``).
 
     Args:
         module: the attention layer (``module.is_causal`` is the default for ``is_causal``).
-        query: ``(B, heads, S_q, head_dim)``; key/value: ``(B, kv_heads, S_k, head_dim)``.
-        attention_mask: None, or the 2-D bool padding mask ``(B, S_k)`` built by
-            :func:`padding_mask` (True = real token). A 4-D mask is rejected.
+        query: ``(B, heads, S_q, head_dim)``; key: ``(B, kv_heads, S_k, head_dim)``; value:
+            ``(B, kv_heads, S_k, v_head_dim)`` (MLA models such as DeepSeek-V3 have a narrower
+            ``v_head_dim``: the narrower of q/k and v is zero-padded to the wider for the kernel).
+        attention_mask: None; the 2-D bool padding mask ``(B, S_k)`` built by
+            :func:`padding_mask` (True = real token); or its int32 segment numbers ``(B, S)``
+            of packed rows (for layers that do not pass ``position_ids`` on). 4-D is rejected.
         dropout, scaling, sliding_window, softcap: the layer's settings (transformers' meaning).
         kwargs: ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids`` as described in the
             module docstring; score modifiers (``position_bias``, ``s_aux``, ``sinks``,
             ``indices``, ``block_indices``) raise; anything else is ignored.
 
     Returns:
-        ``(out, None)`` with out ``(B, S_q, heads, head_dim)``.
+        ``(out, None)`` with out ``(B, S_q, heads, v_head_dim)``.
     """
+    dim, v_dim = query.shape[-1], value.shape[-1]
+    if key.shape[-1] != dim:
+        raise ValueError(
+            f"query and key must have the same head_dim, got {query.shape[-1]} and {key.shape[-1]}"
+        )
+    if v_dim != dim:  # MLA: attend at one width (zero columns change no score), slice back
+        width = max(dim, v_dim)
+        query, key, value = (
+            torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value)
+        )
+        out, _ = rlhf_attention_forward(
+            module, query, key, value, attention_mask, dropout,
+            dim**-0.5 if scaling is None else scaling,
+            sliding_window, softcap, is_causal, backend, **kwargs,
+        )  # fmt: skip
+        return out[..., :v_dim], None
+    segments = None  # packed rows' segment numbers from padding_mask (see its docstring)
+    if attention_mask is not None and attention_mask.dtype == torch.int32:
+        segments, attention_mask = attention_mask, None
     if kwargs.get("cache") is not None:
         raise ValueError(
             "rlhf_kernels attention does not support paged caches (continuous "
@@ -372,6 +399,14 @@ def rlhf_attention_forward(
             longest = None
         else:
             cu, longest = _segments_from_position_ids(pos, _first_layer(module), rows)
+        out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
+    elif segments is not None:  # packed rows whose layer does not pass position_ids on
+        if segments.shape != (bsz, s_q) or s_q != s_k:
+            raise ValueError(
+                f"packed-row segment numbers must be (batch, S) = ({bsz}, {s_q}) with as many "
+                f"keys as queries, got shape {tuple(segments.shape)} and {s_k} keys"
+            )
+        cu, longest = _segments_from_position_ids(segments, _first_layer(module), step=0)
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
     else:  # one sequence per row
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
@@ -498,7 +533,13 @@ def padding_mask(
     """``AttentionMaskInterface`` entry: the 2-D bool padding mask, or None when nothing is padded.
 
     The causal / sliding-window / packed structure is applied by the attention function, so no
-    dense 4-D mask is ever built. Anything else raises: custom overlays
+    dense 4-D mask is ever built. Packed rows (transformers found several samples in a row from
+    ``position_ids``) give their int32 segment numbers ``(B, S)`` instead of None, for layers that
+    do not pass ``position_ids`` on to the attention function (Persimmon, GPTBigCode); not inside
+    a torch.compile trace, where the mask function cannot be read (such a layer would attend
+    across samples there). Anything else raises: models whose modeling module does not call
+    transformers' ``AttentionInterface`` (Bloom, CodeGen and others: they would get no causal
+    mask), custom overlays
     (``or_mask_function``/``and_mask_function``, flagged ``use_vmap``), mask functions built
     from parts other than transformers' causal, bidirectional, sliding-window and packed-sequence
     ones (chunked attention, image-token blocks), and keys past the queries (a static cache's
@@ -509,9 +550,17 @@ def padding_mask(
             "rlhf_kernels attention cannot apply custom mask overlays "
             "(or_mask_function/and_mask_function); use another attn_implementation"
         )
-    # dynamo cannot read nested functions' names: a compiled forward skips this check (an
-    # eager forward of the same model makes it)
-    parts = [] if torch.compiler.is_compiling() else _mask_parts(mask_function)
+    # dynamo cannot read nested functions' names: a compiled forward skips these checks (an
+    # eager forward of the same model makes them)
+    compiling = torch.compiler.is_compiling()
+    config = kwargs.get("config")
+    if not compiling and config is not None and not _uses_attention_interface(type(config)):
+        raise ValueError(
+            f"{type(config).__name__}: this model computes attention in its own layers (its "
+            f"modeling module never calls transformers' AttentionInterface), so it would run "
+            f"without a causal or padding mask; use attn_implementation='sdpa' or 'eager'"
+        )
+    parts = [] if compiling else [name for name, _ in _mask_parts(mask_function)]
     unknown = [p for p in parts if p not in _KNOWN_MASK_PARTS]
     if unknown:
         raise ValueError(
@@ -530,7 +579,7 @@ def padding_mask(
             f"attn_implementation='sdpa'"
         )
     if attention_mask is None:
-        return None
+        return None if compiling else _packed_segments(mask_function)
     mask = attention_mask[:, -kv_length:].bool()
     if torch.compiler.is_compiling():  # no data-dependent shortcut while tracing
         return mask
@@ -558,9 +607,37 @@ _KNOWN_MASK_PARTS = {
 }
 
 
-def _mask_parts(fn) -> list[str]:
-    """``module.qualname`` of every function ``fn`` is built from (through the closures of
-    transformers' known combinators); [] for None."""
+_PACKED_PART = "transformers.masking_utils.packed_sequence_mask_function.<locals>.inner_mask"
+
+
+def _packed_segments(mask_function) -> torch.Tensor | None:
+    """The int32 ``(B, S)`` segment numbers of the packed-sequence part of ``mask_function``
+    (None without one)."""
+    for name, f in _mask_parts(mask_function):
+        if name == _PACKED_PART:
+            cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+            return cells["packed_sequence_mask"].cell_contents.to(torch.int32)
+    return None
+
+
+@functools.cache
+def _uses_attention_interface(config_cls: type) -> bool:
+    """Whether the modeling module beside ``config_cls``'s module (``configuration_x`` ->
+    ``modeling_x``) imports transformers' ``ALL_ATTENTION_FUNCTIONS``; True when there is no
+    such module to look at (custom code)."""
+    module = config_cls.__module__
+    if ".configuration_" not in module:
+        return True
+    try:
+        modeling = importlib.import_module(module.replace(".configuration_", ".modeling_"))
+    except Exception:  # no such module, or one that fails to import here: do not judge
+        return True
+    return hasattr(modeling, "ALL_ATTENTION_FUNCTIONS")
+
+
+def _mask_parts(fn) -> list[tuple[str, Any]]:
+    """``(module.qualname, function)`` of every function ``fn`` is built from (through the
+    closures of transformers' known combinators); [] for None."""
     found, todo, seen = [], [fn], set()
     while todo:
         f = todo.pop()
@@ -573,7 +650,7 @@ def _mask_parts(fn) -> list[str]:
         if not callable(f):
             continue
         name = getattr(f, "__module__", "") + "." + getattr(f, "__qualname__", "?")
-        found.append(name)
+        found.append((name, f))
         if name not in _KNOWN_MASK_PARTS:  # not looked into
             continue
         for cell in getattr(f, "__closure__", None) or ():
