@@ -4,8 +4,11 @@ Measures on one CUDA device, bf16, with CUDA-event timing (``triton.testing.do_b
 
 - ``attention``: packed causal attention, forward and forward+backward, at 8k/32k/128k-token packs
   of uneven documents (lengths drawn in ``[total/16, total/4]``), head_dim 64 (32 heads) and 128
-  (16 heads). Peers on the same pack: ``varlen_attention(backend="triton")`` (ours, with the
-  default blocks and with ``RLHF_KERNELS_AUTOTUNE=1``),
+  (16 heads), and one more 32k pack per head_dim that is skewed (half the tokens in one
+  document, the rest in 32-512-token documents), where a rectangular
+  ``(batch, max_len / block)`` grid would be mostly empty programs (ours schedules a flat table
+  of blocks, heaviest first). Peers on the same pack: ``varlen_attention(backend="triton")``
+  (ours, with the default blocks and with ``RLHF_KERNELS_AUTOTUNE=1``),
   ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels shipped inside torch; the
   flash-attn package itself when importable), one SDPA flash call per document, and compiled
   ``flex_attention`` with a document-causal block mask. Every peer is compared with ours first
@@ -16,17 +19,17 @@ Measures on one CUDA device, bf16, with CUDA-event timing (``triton.testing.do_b
   naive fp32 ``log_softmax`` + gather, ``F.cross_entropy`` and Liger's fused linear
   cross-entropy when liger-kernel is importable. Time and peak memory above the inputs.
 - ``gae``: B=64, T=1024 fp32, our ``gae`` on CPU (one thread) and CUDA vs a Python loop.
-  One more 32k pack per head_dim is skewed (half the tokens in one document, the rest in
-  32-512-token documents), where a rectangular ``(batch, max_len / block)`` grid would be
-  mostly empty programs (ours schedules a flat table of blocks, heaviest first).
 - ``ring_tile``: ring attention's block work on the Triton path (``forward_block_triton`` /
   ``backward_block_triton``: one launch per block, fp32 merge by lse) for every rank of a
   zigzag plan over 2 and 4 ranks of a 32k pack, without communication; the slowest rank
   against single-device attention on the whole pack divided by the world size (``*_vs_ideal``,
   1.0 = no overhead from splitting).
 
-Writes ``bench/results/gpu-check-<gpu>[-quick]-<date>.json`` and ``.md`` (hardware, versions,
-date), rewritten after every row. Exit status 1 when a part raised, did not finish, one of
+Writes ``bench/results/gpu-check-<gpu>[-quick]-<date>-<HHMMSS>.json`` and ``.md`` (hardware,
+versions, whether the native extension and its CUDA GAE were built, start time, seconds per
+part), rewritten after every row; ``--budget-s`` (capped by ``$GPU_CHECK_DEADLINE``) starts no
+new row past it. Ring-tile rows are checked like the attention rows (relative error of out and
+dq over 2%: ``mismatch``). Exit status 1 when a part raised, did not finish, one of
 ours (or our GAE / linear ops) failed, or a peer's result mismatched; a peer's own failure (out
 of memory) is only reported.
 ``--quick`` runs small shapes (a smoke test of the script itself).
@@ -57,7 +60,8 @@ def _bench(fn, quick=False):
     """Median ms of ``fn()`` (CUDA events via triton's do_bench)."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100))
+    ms = do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
+    return float(ms)
 
 
 def _lengths(total, lo, hi, seed=0):
@@ -240,6 +244,11 @@ def bench_linear(quick):
         logp = torch.log_softmax((h @ w.T).float(), -1).gather(1, labels[:, None])[:, 0]
         (logp * wt).sum().backward()
 
+    with torch.no_grad():  # values first: a fast but wrong kernel must not pass
+        want = torch.log_softmax((h @ w.T).float(), -1).gather(1, labels[:, None])[:, 0]
+        rel = (linear_logprobs(h, w, labels).float() - want).abs().max() / want.abs().max()
+        check = dict(rel_err_logp_vs_naive=rel.item(), mismatch=_mismatch([rel.item()]))
+        del want
     methods = {
         "naive_logsoftmax_gather": naive_logprobs,
         "linear_logprobs": lambda: (linear_logprobs(h, w, labels) * wt).sum().backward(),
@@ -273,7 +282,8 @@ def bench_linear(quick):
             torch.cuda.empty_cache()
             continue
         print(f"linear {name:>26}: {ms:9.2f} ms  peak +{peak:9.0f} MiB", flush=True)
-        yield dict(method=name, T=T, H=H, V=V, ms=ms, peak_extra_mib=peak)
+        row = dict(method=name, T=T, H=H, V=V, ms=ms, peak_extra_mib=peak)
+        yield row | (check if name == "linear_logprobs" else {})
         torch.cuda.empty_cache()
 
 
@@ -374,9 +384,11 @@ def ring_block_work(total, world, device, quick=False, heads=16, kv_heads=4, dim
     out = varlen_attention(q, k, v, cu, cu, causal=True, backend="triton")
     step()
     saved = [forward(r) for r in range(world)]
-    err = (saved[0][0].to(dtype).float() - plan.shard(out, 0).float()).abs().max().item()
+    want_out, want_dq = plan.shard(out, 0).float(), plan.shard(leaves[0].grad, 0).float()
+    err = (saved[0][0].to(dtype).float() - want_out).abs().max().item()
     dq0 = backward(0, *saved[0]).to(dtype).float()
-    err_dq = (dq0 - plan.shard(leaves[0].grad, 0).float()).abs().max().item()
+    err_dq = (dq0 - want_dq).abs().max().item()
+    rel = [err / want_out.abs().max().item(), err_dq / want_dq.abs().max().item()]
     fwd = [_bench(lambda r=r: forward(r), quick) for r in range(world)]
     fb = [_bench(lambda r=r: backward(r, *saved[r]), quick) + f for r, f in enumerate(fwd)]
     single_f = _bench(
@@ -390,7 +402,8 @@ def ring_block_work(total, world, device, quick=False, heads=16, kv_heads=4, dim
         rank_fwd_ms=fwd, rank_fwd_bwd_ms=fb, single_fwd_ms=single_f, single_fwd_bwd_ms=single_fb,
         fwd_tflops=flops / max(fwd) / 1e9, fwd_bwd_tflops=3.5 * flops / max(fb) / 1e9,
         fwd_vs_ideal=max(fwd) * world / single_f, fwd_bwd_vs_ideal=max(fb) * world / single_fb,
-        max_err_out=err, max_err_dq=err_dq,
+        max_err_out=err, max_err_dq=err_dq, rel_err_out=rel[0], rel_err_dq=rel[1],
+        mismatch=_mismatch(rel),
     )  # fmt: skip
     print(
         f"ring blocks world={world} T={total}: slowest rank fwd {max(fwd):.3f} ms "
@@ -405,7 +418,9 @@ def ring_block_work(total, world, device, quick=False, heads=16, kv_heads=4, dim
 def machine():
     import triton
 
+    import rlhf_kernels
     from bench.report import VERSIONED, _git, _version
+    from rlhf_kernels.ops.gae import _native_supports
 
     commit = os.environ.get("RLHF_KERNELS_COMMIT")  # for a copy of the tree without .git
     if not commit and _git("rev-parse", "--short", "HEAD"):
@@ -423,6 +438,9 @@ def machine():
         cuda=torch.version.cuda,
         triton=triton.__version__,
         rlhf_kernels_commit=commit,  # None: unknown (no git, no RLHF_KERNELS_COMMIT)
+        rlhf_kernels_version=rlhf_kernels.__version__,
+        native_ext=rlhf_kernels.has_native_ext(),  # False: setup.py fell back (or no build)
+        native_cuda_gae=_native_supports(torch.device("cuda"), "fused_gae"),
         versions={key: _version(dist) for key, dist in VERSIONED.items()}
         | {"liger_kernel": _version("liger-kernel")},
     )
@@ -480,22 +498,43 @@ def main(argv=None):
         "--budget-s",
         type=float,
         default=None,
-        help="start no new row after this many seconds (rows so far are kept)",
+        help="start no new row after this many seconds (rows so far are kept); "
+        "$GPU_CHECK_DEADLINE (a Unix time, set by make gpu-check) caps it",
     )
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check needs CUDA", file=sys.stderr)
         return 2
-    report = dict(date=datetime.date.today().isoformat(), quick=args.quick, machine=machine())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    report = dict(
+        date=now.date().isoformat(),
+        started=now.isoformat(timespec="seconds"),
+        quick=args.quick,
+        parts=list(args.only),
+        machine=machine(),
+    )
     tag = report["machine"]["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
-    stem = args.out_dir / f"gpu-check-{tag}{'-quick' if args.quick else ''}-{report['date']}"
+    # the time of day in the name: a second run the same day (say --only the unfinished parts)
+    # must not replace the first one's file
+    stem = args.out_dir / (
+        f"gpu-check-{tag}{'-quick' if args.quick else ''}-{report['date']}-{now:%H%M%S}"
+    )
+    for n in range(2, 100):  # and two runs in one second neither
+        if not Path(f"{stem}.json").exists():
+            break
+        stem = stem.with_name(f"{stem.name.rsplit('~', 1)[0]}~{n}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report["unfinished"] = list(args.only)
+    budget = args.budget_s
+    if os.environ.get("GPU_CHECK_DEADLINE"):  # make gpu-check's deadline for the whole target
+        left = float(os.environ["GPU_CHECK_DEADLINE"]) - time.time()
+        budget = left if budget is None else min(budget, left)
+    report["budget_s"] = None if budget is None else round(budget)
     start = time.perf_counter()
 
     def over_budget():
-        return args.budget_s is not None and time.perf_counter() - start > args.budget_s
+        return budget is not None and time.perf_counter() - start > budget
 
     # every row is written as it comes: a crash, a kill or the budget keeps what was measured
     for name in args.only:
@@ -513,6 +552,7 @@ def main(argv=None):
         except Exception as err:  # one part failing does not lose the others
             rows.append(dict(error=repr(err)[:300]))
             report["unfinished"].remove(name)
+        report.setdefault("part_s", {})[name] = round(time.perf_counter() - t0, 1)
         _save(report, stem)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
     _save(report, stem)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,7 @@ def test_gpu_check_ring_blocks_agree_with_single_device(monkeypatch):
     row = gpu_check.ring_block_work(64, 2, "cpu", heads=2, kv_heads=1, dim=16)
     assert row["world"] == 2 and len(row["rank_fwd_bwd_ms"]) == 2
     assert row["max_err_out"] < 1e-5 and row["max_err_dq"] < 1e-5, row
+    assert row["rel_err_out"] < 1e-5 and row["rel_err_dq"] < 1e-5 and not row["mismatch"], row
 
 
 def test_gpu_check_keeps_every_row_when_a_part_fails(monkeypatch, tmp_path):
@@ -293,9 +295,17 @@ def test_gpu_check_keeps_every_row_when_a_part_fails(monkeypatch, tmp_path):
     assert got["linear"][0]["method"] == "c" and "out of memory" in got["linear"][1]["error"]
     assert [r["method"] for r in got["gae"]] == ["a", "b"] and got["unfinished"] == []
     assert "## Failed" in js.with_suffix(".md").read_text()
-    # a budget stops starting rows and says what is unfinished
+    # a budget stops starting rows and says what is unfinished, in a file of its own (the
+    # first run's file stays as it was)
     assert gpu_check.main(["--only", "gae", "--budget-s", "0", "--out-dir", str(tmp_path)]) == 1
-    assert json.loads(js.read_text())["unfinished"] == ["gae"]
+    assert json.loads(js.read_text()) == got
+    (second,) = set(tmp_path.glob("gpu-check-fake-gpu-*.json")) - {js}
+    assert json.loads(second.read_text())["unfinished"] == ["gae"]
+    # make gpu-check's deadline caps the budget
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", str(time.time() - 1))
+    assert gpu_check.main(["--only", "gae", "--budget-s", "600", "--out-dir", str(tmp_path)]) == 1
+    newest = max(tmp_path.glob("gpu-check-fake-gpu-*.json"), key=lambda p: p.stat().st_mtime_ns)
+    assert json.loads(newest.read_text())["unfinished"] == ["gae"]
     with pytest.raises(SystemExit):  # a misspelt part fails at once, not after the others
         gpu_check.main(["--only", "attention", "ring-tile"])
 
