@@ -282,6 +282,14 @@ def _validation_is_cached(rank, world):
         except ValueError as e:
             counts.append(str(e))
         counts.append(len(calls))
+        # options not checked yet, a bad shard on the last rank only: the others check these
+        # options, so it joins them and every rank raises (it used to raise alone: a hang)
+        bad = q[:-1] if rank == world - 1 else q
+        try:
+            ring_varlen_attention(bad, bad, bad, plan, window_size=(2, 0))
+            counts.append(None)
+        except ValueError as e:
+            counts.append(str(e))
         return counts
     finally:
         validate.all_gather_flat = real
@@ -353,6 +361,7 @@ def test_ring_attention_matches_single_device(world):
         assert gathered == 2, gathered  # kv_head_stride bounds the gathered K/V to two groups
         assert cached[:3] == [1, 3, 4] and cached[4] == 4, cached
         assert cached[3] and "local_len" in cached[3] and "earlier calls" in cached[3], cached
+        assert cached[5] and "earlier calls" not in cached[5], cached
         assert helpers["all"] and helpers["dst"] and helpers["gather_after"]
         assert helpers["gather_empty"] == (0, 3)
         for name in ("gather_len", "gather_len_dst"):

@@ -337,3 +337,5 @@ def test_hf_rows_of_one_keep_their_leading_dim():
         plan.next_token_labels(torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(ValueError, match="packed length 16 as first dim"):
         plan.shard(torch.zeros(2, 16), 0)
+    one = RingPlan.build(_cu([1]), 2)  # a one-token stream's (1, 1) row was refused
+    assert one.next_token_labels(torch.tensor([[7]])).tolist() == [[-100]]

@@ -129,6 +129,8 @@ def test_bad_input_without_process_group():
         )
     with pytest.raises(ValueError, match="world_size=2"):
         ring_varlen_attention(x, x, x, RingPlan.build(_cu([plan.local_len]), 2))
+    with pytest.raises(TypeError, match="window_size must be"):  # was taken as (1, 0)
+        ring_varlen_attention(x, x, x, plan, window_size=(True, 0))
 
 
 def test_scalar_options_checked_softcap_none_is_off():

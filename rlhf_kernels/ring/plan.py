@@ -253,7 +253,8 @@ class RingPlan:
         Returns: int64, the target of the token at packed index ``g`` is ``labels[g + 1]`` when
         ``g + 1`` is in the same document, else ``ignore_index``.
         """
-        if self._batch_of_one(labels) and labels.dim() == 2:
+        # a 2-D tensor can only be a row (unlike shard's x, so a one-token stream's too)
+        if isinstance(labels, torch.Tensor) and tuple(labels.shape) == (1, self.total):
             return self.next_token_labels(labels[0], rank, ignore_index)[None]
         if (
             not isinstance(labels, torch.Tensor)

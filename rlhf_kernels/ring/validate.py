@@ -136,6 +136,8 @@ def _local_problem(
     if comm not in COMMS:
         return 3, f"comm must be one of {COMMS}, got {comm!r}"
     try:
+        if any(isinstance(w, bool) for w in window_size):  # as varlen_attention: True is not 1
+            raise TypeError
         window = [operator.index(w) for w in window_size]
     except TypeError:
         return 4, f"window_size must be (left, right) ints, got {window_size!r}"
@@ -151,6 +153,17 @@ def _local_problem(
     return 0, ""
 
 
+def _same_options(cached, key: tuple) -> bool:
+    """Whether ``cached`` (a ``plan._cache`` key) is a passed check of ``key``'s group, world
+    and options (the entries after the tensors' shapes, dtypes and device)."""
+    return (
+        type(cached) is tuple
+        and len(cached) == len(key)
+        and cached[:3] == key[:3]
+        and cached[10:] == key[10:]
+    )
+
+
 def validate_ring_call(
     q, k, v, plan, group, world, comm, window_size, softcap, kv_head_stride, tile, causal,
     softmax_scale=None,
@@ -163,8 +176,10 @@ def validate_ring_call(
     Ranks of a group hold the same plan and shapes, so they skip together. Limitation: once a
     plan has passed, a rank whose arguments alone change is not checked on the other ranks (they
     skip); it raises its local error at once rather than entering the check alone, and the
-    others wait until the collective timeout. Plans are built per batch, so the first call of
-    every batch keeps the every-rank guarantee.
+    others wait until the collective timeout. It does so only when a call with its options
+    (causal, window, softcap, comm, stride, tile, scale) passed before: with new options (a
+    model alternating sliding and full layers) the others check too, so it joins them. Plans are
+    built per batch, so the first call of every batch keeps the every-rank guarantee.
     """
     key = None
     try:  # unhashable or malformed options: no key, the checks below name the problem
@@ -195,9 +210,8 @@ def validate_ring_call(
         q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, causal,
         softmax_scale,
     )  # fmt: skip
-    passed = ("validated", group, world)
-    if code and key is not None and any(c[:3] == passed for c in plan._cache if type(c) is tuple):
-        # the other ranks passed with this plan before and skip the check: do not wait for them
+    if code and key is not None and any(_same_options(c, key) for c in plan._cache):
+        # the other ranks passed these options with this plan and skip the check: do not wait
         raise (TypeError if code == 4 else ValueError)(
             f"ring_varlen_attention: {msg} (after earlier calls with this plan passed the "
             "group-wide check; other ranks are not told)"
