@@ -147,3 +147,13 @@ def test_scalar_arguments_checked():
             gae(r, r, gamma=0.9, lam=bad, cu_seqlens=[0, 8])
         with pytest.raises(ValueError, match="gamma must be in \\[0, 1\\]"):
             discounted_returns(r, gamma=bad, cu_seqlens=[0, 8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_group_advantages_half_in_fp32(dtype):
+    # rloo of fp16 [0, 1, 2, 2] gave -1.75 for the first response (exact -1.667)
+    r = torch.tensor([0.0, 1.0, 2.0, 2.0] * 3)
+    for est in ("grpo", "rloo", "dr_grpo", "reinforce_baseline"):
+        got = group_advantages(r.to(dtype), 4, est)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, group_advantages(r, 4, est).to(dtype), rtol=0, atol=0)

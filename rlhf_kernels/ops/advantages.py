@@ -36,7 +36,8 @@ def group_advantages(
         group_size: responses per prompt ``G`` (>= 2 for ``"grpo"`` and ``"rloo"``).
         estimator: one of ``"grpo"``, ``"dr_grpo"``, ``"rloo"``, ``"reinforce_baseline"``.
         eps: added to the std before dividing.
-    Returns: ``(N,)`` advantages in rewards' dtype (differentiable, though rewards rarely are).
+    Returns: ``(N,)`` advantages in rewards' dtype (half inputs are computed in fp32;
+        differentiable, though rewards rarely are).
     """
     if not isinstance(rewards, torch.Tensor) or not rewards.is_floating_point():
         raise TypeError(
@@ -60,6 +61,8 @@ def group_advantages(
         )
     if estimator in ("grpo", "rloo") and group_size < 2:
         raise ValueError(f"estimator {estimator!r} needs group_size >= 2, got {group_size}")
+    if rewards.dtype in (torch.float16, torch.bfloat16):  # group sums and stds in fp32
+        return group_advantages(rewards.float(), group_size, estimator, eps).to(rewards.dtype)
     r = rewards.view(-1, group_size)  # (groups, G)
     if estimator == "rloo":
         return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)

@@ -399,7 +399,7 @@ def logprobs_from_logits(
             entropy is still computed); ``None`` treats every label as a token id.
         backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
     Returns:
-        ``logp`` ``[...]`` float32 (float64 for float64 logits on the torch backend), or
+        ``logp`` ``[...]`` float32 (float64 for float64 logits, on every backend), or
         ``(logp, entropy)`` when ``return_entropy``. No ``[..., V]`` fp32 copy is kept; the
         backward allocates only the gradient (logits' dtype).
     """

@@ -17,6 +17,7 @@ from rlhf_kernels._checks import (
     as_cu_seqlens,
     check_mask,
     check_same_device,
+    is_real,
     is_scalar,
     sequence_ids,
 )
@@ -41,7 +42,8 @@ def kl_penalty(
         estimator: ``"k1"`` ``logp - ref``; ``"k2"`` ``0.5 (logp - ref)^2``;
             ``"k3"`` ``exp(ref - logp) - 1 - (ref - logp)`` (unbiased, non-negative).
         clamp: if given (> 0), the estimate is clamped to ``[-clamp, clamp]``.
-    Returns: logp's shape, in the promoted dtype of logp and ref_logp.
+    Returns: logp's shape, in the promoted dtype of logp and ref_logp (computed in fp32 at
+    least: bf16's ``expm1(x) - x`` cancels to 4% error at typical log-ratios).
     """
     _check_float(logp=logp, ref_logp=ref_logp)
     if ref_logp.shape != logp.shape:
@@ -50,9 +52,11 @@ def kl_penalty(
         )
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    if clamp is not None and not clamp > 0:
-        raise ValueError(f"clamp must be > 0 or None, got {clamp}")
-    d = logp - ref_logp
+    if clamp is not None and not (is_real(clamp) and clamp > 0):
+        raise ValueError(f"clamp must be a number > 0 or None, got {clamp!r}")
+    dtype = torch.promote_types(logp.dtype, ref_logp.dtype)
+    cdt = torch.promote_types(dtype, torch.float32)
+    d = logp.to(cdt) - ref_logp.to(cdt)
     if estimator == "k1":
         kl = d
     elif estimator == "k2":
@@ -62,7 +66,7 @@ def kl_penalty(
         if clamp is not None:  # exp(x) finite; f(x) = expm1(x) - x is >= clamp from this bound
             x = x.clamp(max=math.log1p(clamp) + 1.0)  # on, so values and gradients are unchanged
         kl = torch.expm1(x) - x
-    return kl if clamp is None else kl.clamp(-clamp, clamp)
+    return (kl if clamp is None else kl.clamp(-clamp, clamp)).to(dtype)
 
 
 def _masked(t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -81,8 +85,9 @@ def _check_float(**tensors):
 
 
 def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
-    """Validate; return (float mask of ref's shape, seq ids (same shape, or None for the padded
-    (B, T) layout, whose sequences are the rows), number of sequences).
+    """Validate; return (mask of ref's shape in fp32 at least (fp16 counts overflow at 65504
+    tokens), seq ids (same shape, or None for the padded (B, T) layout, whose sequences are the
+    rows), number of sequences).
 
     A packed 1-D input without ``cu_seqlens`` is fine for token means (``aggregation`` None or
     ``"token-mean"``: one stream); a sequence-level aggregation then needs the boundaries."""
@@ -91,6 +96,8 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
             raise ValueError(
                 f"{name} must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(t.shape)}"
             )
+    if mask is not None and not isinstance(mask, torch.Tensor):  # e.g. a clip given by position
+        raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}: {mask!r}")
     cu_seqlens = as_cu_seqlens(cu_seqlens, ref.device)
     check_same_device(**{ref_name: ref}, mask=mask, **others)
     if mask is not None and mask.shape != ref.shape:
@@ -129,7 +136,8 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
             f"tokens count; rows are the sequences of aggregation={aggregation!r}) or "
             f"cu_seqlens (packed (N,) layout); got neither"
         )
-    m = torch.ones_like(ref) if mask is None else mask.to(ref.dtype)
+    cdt = torch.promote_types(ref.dtype, torch.float32)
+    m = torch.ones_like(ref, dtype=cdt) if mask is None else mask.to(cdt)
     return m, seq, n_seq
 
 
@@ -153,7 +161,7 @@ def _token_weights(m, seq, n_seq, aggregation, norm_length=None):
             )
         length = max(m.numel() // n_seq, 1) if norm_length is None else norm_length
         return m / (n_seq * length)
-    cdt = torch.promote_types(m.dtype, torch.float32)  # exact counts even for bf16 masks
+    cdt = m.dtype  # fp32 at least (_token_layout)
     if seq is None:  # padded: sequence i is row i; a row sum (inductor's CPU code generation
         rows = m.reshape(n_seq, m.numel() // n_seq).to(cdt)  # fails on index_add by row ids)
         count = rows.sum(1)
@@ -164,13 +172,19 @@ def _token_weights(m, seq, n_seq, aggregation, norm_length=None):
         per_token = count.clamp_min(1)[seq]
     n_live = (count > 0).sum().clamp_min(1).to(cdt)  # sequences that count, no host sync
     if aggregation == "seq-mean-token-sum":
-        return (m / n_live).to(m.dtype)
-    return (m / (per_token * n_live)).to(m.dtype)  # seq-mean-token-mean
+        return m / n_live
+    return m / (per_token * n_live)  # seq-mean-token-mean
 
 
 # exp of a larger log-ratio overflows fp32 (at 88.7): the ratio stops at e^80, so a token
 # clipped there gets gradient 0, not 0 * inf = NaN (the loss is computed in fp32 at least)
 MAX_LOG_RATIO = 80.0
+
+
+def _k3(x: torch.Tensor) -> torch.Tensor:
+    """``expm1(x) - x`` with ``x`` capped at ``MAX_LOG_RATIO`` (finite in fp32)."""
+    x = x.clamp(max=MAX_LOG_RATIO)
+    return torch.expm1(x) - x
 
 
 def _ratio(logp, old_logp, advantages):
@@ -221,8 +235,9 @@ def _check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length=
                 f"norm_length is for aggregation='seq-mean-token-sum-norm', got "
                 f"aggregation={aggregation!r}"
             )
-        if isinstance(norm_length, bool) or not isinstance(norm_length, (int, float)):
+        if not is_scalar(norm_length):  # numpy numbers and 0-d tensors too, as the clips
             raise TypeError(f"norm_length must be a number > 0 or None, got {norm_length!r}")
+        norm_length = float(norm_length)
         if not norm_length > 0:
             raise ValueError(f"norm_length must be > 0, got {norm_length}")
     if not (is_scalar(clip_low) and is_scalar(clip_high) and 0 <= clip_low < 1 and clip_high >= 0):
@@ -294,7 +309,8 @@ def policy_loss(
         n = m.sum().clamp_min(1)
         stats = {
             "clip_frac": ((clipped > unclipped).to(m.dtype) * m).sum() / n,
-            "approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * m).sum() / n,
+            # k3 of old vs new, its exponent capped as the ratio is (an 89-nat drop was inf)
+            "approx_kl": (_k3(-log_ratio) * m).sum() / n,
             "ratio_mean": (ratio * m).sum() / n,
             "dual_clip_frac": torch.zeros((), dtype=m.dtype, device=m.device),
         }
@@ -323,18 +339,20 @@ def value_loss(
         clip: if given (> 0), ``v_clip = old + clamp(v - old, -clip, clip)`` enters the max;
             without it the loss is ``0.5 (v - R)^2``.
         cu_seqlens: boundaries for the packed layout (all tokens count unless mask says not).
-    Returns: scalar in values' dtype.
+    Returns: scalar in values' dtype (computed in fp32 at least).
     """
     _check_float(values=values, old_values=old_values, returns=returns)
-    if clip is not None and not clip > 0:
-        raise ValueError(f"clip must be > 0 or None, got {clip}")
+    if clip is not None and not (is_scalar(clip) and clip > 0):
+        raise ValueError(f"clip must be a number > 0 or None, got {clip!r}")
     m, _, _ = _token_layout(
         "values", values, mask, cu_seqlens, old_values=old_values, returns=returns
     )
+    dtype = values.dtype
     if mask is not None:  # junk (NaN, inf) at masked tokens must not reach the loss or grads
         values, old_values, returns = (_masked(t, m) for t in (values, old_values, returns))
+    values, old_values, returns = (t.to(m.dtype) for t in (values, old_values, returns))
     err = (values - returns).square()
     if clip is not None:
         v_clip = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (v_clip - returns).square())
-    return 0.5 * (err * m).sum() / m.sum().clamp_min(1)
+    return (0.5 * (err * m).sum() / m.sum().clamp_min(1)).to(dtype)
