@@ -732,3 +732,66 @@ def test_reward_model_tokenizer_check(tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (extra / "tokenizer.json").write_text(json.dumps(swapped))
     assert "2 policy tokens numbered differently" in _tokenizer_mismatch(policy, str(extra), None)
+
+
+def _ring_share_worker(rank, world, use_model, fail, micro_batch_tokens):
+    """ppo_ring.rollouts + ppo.ring_share on stub tokenizer / generator (rank 1 may fail)."""
+    import functools
+    import types
+
+    import torch.distributed as dist
+
+    from trainers import ppo, ppo_ring
+    from trainers.distributed import Layout
+
+    layout = Layout(world, rank, 1, world, 1, torch.device("cpu"))
+    layout.ring_group = dist.new_group(list(range(world)))
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, 1
+
+        def encode(self, s):
+            return [3, 4, 5]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x"
+
+    class Gen:
+        synced = False
+
+        def generate(self, prompts, **kw):
+            if fail and rank == 1:
+                raise MemoryError("generation OOM on rank 1")
+            return [[7, 8]]
+
+    cfg = types.SimpleNamespace(
+        input_key="prompt", input_template=None, apply_chat_template=False,
+        n_samples_per_prompt=1, max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0,
+        micro_batch_tokens=micro_batch_tokens, reward_fn=None, rollout_distribution="scatter",
+        ring_layout="zigzag",
+    )  # fmt: skip
+    session = types.SimpleNamespace(tokenizer=Tok(), layout=layout)
+    if use_model:
+        reward = torch.nn.Linear(1, 1)
+    else:
+        reward = lambda prompts, responses, **kw: [0.0] * len(responses)  # noqa: E731
+    make = functools.partial(ppo.ring_share, Gen(), session, reward, cfg, 1)
+    try:
+        shards, _, _ = ppo_ring.rollouts(
+            session, make, [(i, {"prompt": "p"}) for i in range(4)], cfg
+        )
+        return len(shards)
+    except SystemExit:
+        return "exit"
+
+
+@pytest.mark.multiproc
+def test_ring_generation_failure_with_a_reward_model_ends_every_rank():
+    """Generation failing on one ring rank: the others went on into the reward model's
+    world-wide collectives while it waited in the ring's status exchange (a hang until the
+    group timeout); now every rank ends with the error. A micro-batch budget under 64 tokens
+    used to be refused by the stream (max_chunk_bytes < 1024) after generation."""
+    from rlhf_kernels.ring.spawn import run_gloo
+
+    assert run_gloo(_ring_share_worker, 2, True, True, 256, timeout_s=25) == ["exit", "exit"]
+    assert run_gloo(_ring_share_worker, 2, False, False, 32, timeout_s=25) == [2, 2]  # owners

@@ -27,7 +27,7 @@ from rlhf_kernels.packing import plan_micro_batches
 from trainers import common, ppo_ring, rewards
 from trainers.cli import is_set
 from trainers.config import TrainConfig
-from trainers.distributed import Layout, max_across, sum_across
+from trainers.distributed import Layout, all_ranks_ok, max_across, sum_across
 from trainers.engine import accumulate, build_frozen, checkpointing, optimizer_step
 
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
@@ -632,8 +632,13 @@ def ring_share(gen, session, reward, cfg, step, share) -> list[dict]:
     """``distributed_rollouts``' generate: this ring rank's share of ``(position, row)``
     prompts -> scored sample dicts (token ids and targets, plus metadata)."""
     rows, positions = [row for _, row in share], [pos for pos, _ in share]
-    samples, texts = generate(gen, session.tokenizer, rows, cfg, session.layout, step, positions)
-    score(reward, session.tokenizer, samples, texts, cfg, session.layout)
+    tok, layout, problem = session.tokenizer, session.layout, ""
+    try:
+        samples, texts = generate(gen, tok, rows, cfg, layout, step, positions)
+    except Exception as e:  # distributed_rollouts catches it and the rank lives on: the others
+        problem = f"generation failed: {type(e).__name__}: {e}"  # must not enter score's
+    all_ranks_ok(not problem, problem, layout)  # collectives (a reward model's) alone
+    score(reward, tok, samples, texts, cfg, layout)
     return [
         {
             "input_ids": x.ids,

@@ -93,6 +93,7 @@ def _bookkeeping(meta: list[dict], plan: RingPlan) -> list:
 def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], object, int]:
     """Generate on every ring rank, stream to the group; returns this rank's shards, the first
     sample's text (for the progress line) and the token-tensor bytes this rank received."""
+    from rlhf_kernels.comm._wire import MIN_CHUNK_BYTES
     from rlhf_kernels.comm.distributed import distributed_rollouts
 
     layout = session.layout
@@ -103,7 +104,8 @@ def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], object, in
         group=layout.ring_group,
         token_keys=TOKEN_KEYS if scatter else None,
         layout=cfg.ring_layout,
-        max_chunk_bytes=cfg.micro_batch_tokens * 16,  # two int64 per token
+        # two int64 per token, at least the wire's smallest chunk
+        max_chunk_bytes=max(cfg.micro_batch_tokens * 16, MIN_CHUNK_BYTES),
     )
     shards, first_text, received = [], None, 0
     try:
