@@ -691,3 +691,205 @@ def test_wait_names_a_dead_peer_instead_of_a_timeout():
         _wire.wait(Work("Connection closed by peer [127.0.0.1]:1"), timedelta(seconds=5), "x")
     with pytest.raises(RuntimeError, match="x did not finish within 0:00:05 .timeout."):
         _wire.wait(Work("Timed out waiting 5000ms for recv"), timedelta(seconds=5), "x")
+
+
+# ----------------------------------------------------------------------------- review B
+def _ids(stream, got, scatter=False):
+    for item in stream:
+        got.append([m["id"] for m in item[2]] if scatter else [s["id"] for s in item])
+
+
+def _fail_slot_at(n):
+    """Make the n-th staging-buffer request of this process raise (a simulated OOM)."""
+    from rlhf_kernels.comm import _stream
+
+    orig, calls = _stream.Sender._slot, [0]
+
+    def slot(self, need):
+        calls[0] += 1
+        if calls[0] == n:
+            raise torch.OutOfMemoryError("simulated staging OOM")
+        return orig(self, need)
+
+    _stream.Sender._slot = slot
+    return lambda: setattr(_stream.Sender, "_slot", orig)
+
+
+def _still_in_step(rank):
+    """A stream after a failed one works: the failure left the group in step."""
+    small = [{"x": torch.full((3,), float(i)), "id": i} for i in range(5)]
+    got = [s["id"] for mb in broadcast_chunked(small if rank == 0 else None, src=0, timeout=5)
+           for s in mb]  # fmt: skip
+    assert got == list(range(5)), got
+
+
+def _case_send_fails(rank, world):
+    """An error raised while the source sends a micro-batch (after its header went out) reached
+    no receiver: they waited for the timeout and read "stalled". Now it travels in a header at
+    once, no rank yields the failed micro-batch, and the group stays in step."""
+    out = {}
+    # broadcast: a 1000-element sample spans 4 pieces; the 2nd of them fails, 1 is in flight
+    samples = [{"x": torch.randn(n), "id": i} for i, n in enumerate([100, 100, 1000, 100])]
+    undo = _fail_slot_at(3) if rank == 0 else (lambda: None)
+    got, t0 = [], time.monotonic()
+    stream = broadcast_chunked(
+        samples if rank == 0 else None, src=0, max_chunk_bytes=1024, timeout=5
+    )
+    with pytest.raises(
+        torch.OutOfMemoryError if rank == 0 else RuntimeError, match="simulated staging OOM"
+    ):
+        _ids(stream, got)
+    undo()
+    out["bcast"], out["bcast_s"] = got, time.monotonic() - t0
+    _still_in_step(rank)
+    # scatter_for_ring, views path (one long sample per micro-batch): fails inside a shard
+    long = [{"x": torch.randn(3000), "id": i} for i in range(3)]
+    undo = _fail_slot_at(4) if rank == 0 else (lambda: None)
+    got, t0 = [], time.monotonic()
+    stream = scatter_for_ring(
+        long if rank == 0 else None, src=0, token_keys=["x"], max_chunk_bytes=8192, timeout=5
+    )
+    with pytest.raises(
+        torch.OutOfMemoryError if rank == 0 else RuntimeError, match="simulated staging OOM"
+    ):
+        _ids(stream, got, scatter=True)
+    undo()
+    out["scatter"], out["scatter_s"] = got, time.monotonic() - t0
+    _still_in_step(rank)
+    # scatter_for_ring, packed path: plan.shard of float8 ids for the other rank raises
+    # (index_fill has no float8 kernel) before any byte of that rank's shard is sent
+    lengths = [2, 2, 1, 2, 3, 2, 2, 2, 2, 2, 3, 1, 3, 1, 2, 1, 1, 3, 2, 3, 1]  # pads on rank 0 only
+    fp8 = [{"x": torch.ones(n).to(torch.float8_e4m3fn), "id": i} for i, n in enumerate(lengths)]
+    got, t0 = [], time.monotonic()
+    stream = scatter_for_ring(
+        fp8 if rank == 1 else None, src=1, token_keys=["x"], max_chunk_bytes=1 << 16, timeout=5
+    )
+    try:
+        _ids(stream, got, scatter=True)
+        out["fp8"] = "sent"  # a torch with the kernel: nothing to check
+    except (NotImplementedError, RuntimeError) as exc:
+        out["fp8"] = f"{type(exc).__name__}: {exc}"
+    out["fp8_s"] = time.monotonic() - t0
+    _still_in_step(rank)
+    return out
+
+
+def _case_float_pads(rank, world):
+    """A float pad that overflows its key's float16 passed the checks, then every rank raised
+    in the pad fill, the source's ABORT left unmatched: the group was out of step."""
+    samples = [{"logp": torch.randn(n).half(), "id": i} for i, n in enumerate([301, 7, 291])]
+    with pytest.raises(ValueError if rank == 0 else RuntimeError, match=r"\[-65504.0, 65504.0\]"):
+        list(
+            scatter_for_ring(
+                samples if rank == 0 else None, src=0, token_keys=["logp"],
+                max_chunk_bytes=1024, pad_values={"logp": -1e9}, timeout=5,
+            )
+        )  # fmt: skip
+    _still_in_step(rank)
+    fills = 0
+    for plan, local, _ in scatter_for_ring(
+        samples if rank == 0 else None, src=0, token_keys=["logp"], max_chunk_bytes=1024,
+        pad_values={"logp": float("-inf")}, timeout=5,
+    ):  # fmt: skip
+        assert (local["logp"][~plan.valid_mask(rank)] == float("-inf")).all()
+        fills += int((~plan.valid_mask(rank)).sum())
+    return fills
+
+
+def _case_nested_views(rank, world):
+    """A per-sample view nested in metadata pickled its whole base, once per sample (and in
+    broadcast_chunked even a top-level one inside a list)."""
+    rewards = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
+    samples = [
+        {"ids": torch.ones(4, dtype=torch.long), "info": {"r": rewards[i], "l": [rewards[i]]}}
+        for i in range(6)
+    ]
+    out = []
+    for mb in broadcast_chunked(samples if rank == 0 else None, src=0, timeout=5):
+        out += [(s["info"]["r"], s["info"]["l"][0]) for s in mb]
+    for _, _, meta in scatter_for_ring(
+        samples if rank == 0 else None, src=0, token_keys=["ids"], timeout=5
+    ):
+        out += [(m["info"]["r"], m["info"]["l"][0]) for m in meta]
+    assert len(out) == 12
+    for i, pair in enumerate(out):
+        for t in pair:
+            assert torch.equal(t, rewards[i % 6]), i
+    if rank != 0:
+        return sorted({t.untyped_storage().nbytes() for pair in out for t in pair})
+    return [4]
+
+
+def _case_closing(rank, world):
+    """The documented way to stop early: close the stream (contextlib.closing), also when the
+    loop body raises while the caller still holds the stream."""
+    import contextlib
+
+    samples = [{"x": torch.randn(300), "id": i} for i in range(10)] if rank == 0 else None
+    got, t0 = [], time.monotonic()
+    with pytest.raises(KeyError if rank == 0 else RuntimeError, match="trainer|stopped the"):
+        with contextlib.closing(
+            broadcast_chunked(samples, src=0, max_chunk_bytes=2048, timeout=5)
+        ) as stream:
+            for mb in stream:
+                got.append([s["id"] for s in mb])
+                if rank == 0 and len(got) == 2:
+                    raise KeyError("trainer step failed on the source")
+    return got, time.monotonic() - t0
+
+
+def _run_case(rank, world, name):
+    return globals()[name](rank, world)
+
+
+def test_send_failure_reaches_receivers_at_once():
+    send = run_gloo(_run_case, 2, "_case_send_fails", timeout_s=120)
+    assert send[0]["bcast"] == send[1]["bcast"] == [[0, 1]]  # the failed micro-batch: on none
+    assert send[0]["scatter"] == send[1]["scatter"] == [[0]]
+    assert send[1]["bcast_s"] < 4 and send[1]["scatter_s"] < 4  # not the 5 s timeout
+    if not send[1]["fp8"].startswith("sent"):  # the receiver has the source's own message
+        assert "source rank 1 failed while sending" in send[0]["fp8"], send[0]["fp8"]
+        assert "float8" in send[0]["fp8"].lower() and send[0]["fp8_s"] < 4, send[0]
+
+
+def test_float_pad_that_overflows_is_refused_and_group_stays_in_step():
+    assert sum(run_gloo(_run_case, 2, "_case_float_pads", timeout_s=120)) > 0
+
+
+def test_views_nested_in_metadata_travel_alone():
+    res = run_gloo(_run_case, 2, "_case_nested_views", timeout_s=120)
+    assert res[1] == [4], res[1]  # one float each, not 80 kB
+
+
+def test_closing_the_stream_stops_the_receivers():
+    res = run_gloo(_run_case, 2, "_case_closing", timeout_s=120)
+    assert res[0][0] == res[1][0] == [[0], [1]]
+    assert res[1][1] < 4
+
+
+@pytest.mark.parametrize(
+    "dtype, value, ok",
+    [
+        (torch.float16, -1e9, False),
+        (torch.float16, 65504.5, False),
+        (torch.bfloat16, 1e39, False),
+        (torch.float32, 10**40, False),  # an int over the max
+        (torch.complex32, 1e6, False),
+        (torch.float8_e4m3fn, 1.0, False),  # no masked_fill kernel: only the default 0
+        (torch.uint16, 3, False),
+        (torch.float16, -65504, True),
+        (torch.float16, float("-inf"), True),
+        (torch.float16, float("nan"), True),
+        (torch.bfloat16, -1e30, True),
+        (torch.float8_e4m3fn, 0, True),
+    ],
+)
+def test_pad_value_must_fit_a_floating_key(dtype, value, ok):
+    from rlhf_kernels.comm.broadcast import _check_specs
+
+    check = lambda: _check_specs("scatter_for_ring", [("k", dtype, ())], [], {"k": value})  # noqa: E731
+    if ok:
+        check()
+    else:
+        with pytest.raises(ValueError, match=r"pad_values\['k'\]=.*'k''s"):
+            check()

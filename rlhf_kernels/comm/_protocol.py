@@ -2,10 +2,13 @@
 
 Both sides run one micro-batch ahead: header ``i`` is exchanged and payload ``i`` is put in flight
 before micro-batch ``i - 1`` is yielded, so the transfer overlaps the caller's work. The stream
-ends with an END header, an ERROR header (the source's iterable raised; the message travels in
-it) or an ABORT header (the source's caller closed the generator early, or raised in its loop
-body and so dropped it). In every case all ranks yield the same micro-batches; on ABORT the
-receivers then raise, unless every rank opted in to early stops (``allow_early_stop``).
+ends with an END header, an ERROR header (the source's iterable or the preparation of a
+micro-batch raised; the message travels in it), a FAILED header (sending micro-batch ``i``
+raised: the source completed its transfers with filler, every rank drops ``i``) or an ABORT
+header (the source's generator was closed before the end: ``close()``, or garbage collection
+of a generator its caller dropped). In every case all ranks yield the same micro-batches; on
+ABORT the receivers then raise, unless every rank opted in to early stops
+(``allow_early_stop``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _wire
+from . import _stream, _wire
 
-# prepare(batch) -> (pickled description, payload word, start(), value to yield)
+# prepare(batch) -> (pickled description, payload word, start(), value to yield); start() sends
+# the payload and, if it fails, first completes every transfer it owes with filler
 Prepare = Callable[[list], tuple[bytes, int, Callable[[], None], Any]]
 # receive(description, n_samples, payload word) -> (value to yield, works filling it)
 Receive = Callable[[Any, int, int], tuple[Any, list]]
@@ -46,7 +50,19 @@ def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, d
                     yield prev
                 return
             header.send_raw(_wire.BATCH, data, len(batch), word)
-            start()
+            try:
+                start()  # on failure it completes the receivers' transfers with filler
+            except _stream.StreamBroken:
+                closed = True  # out of step: no header can follow; the receivers time out
+                raise
+            except Exception as exc:
+                # the receivers drop this micro-batch (not yielded here either) and raise
+                header.send(_wire.FAILED, f"{type(exc).__name__}: {exc}")
+                closed = True
+                drain()
+                if prev is not None:
+                    yield prev
+                raise
             if prev is not None:
                 yield prev
             prev = value
@@ -71,7 +87,7 @@ def recv_loop(
             current = receive(desc, n, word)
         if prev is not None:
             _wait_all(prev[1])  # (a loop variable here would pin the last piece's buffer)
-            if status != _wire.ABORT:  # on ABORT the source never yielded this one
+            if status not in (_wire.ABORT, _wire.FAILED):  # the source never yields this one
                 value, prev = prev[0], None
                 yield value
                 yielded += 1
@@ -86,12 +102,16 @@ def recv_loop(
                 return
             raise RuntimeError(
                 f"{who}: the source rank {src} stopped the stream early, after {yielded} "
-                "micro-batch(es): its caller closed the generator or raised while consuming "
-                "it (see the source's own error). Pass allow_early_stop=True on every rank if "
-                "early stops are intended"
+                "micro-batch(es): its caller closed the generator (or dropped it after an error "
+                "while consuming it: see the source's own error). Pass allow_early_stop=True on "
+                "every rank if early stops are intended"
             )
         elif status == _wire.ERROR:
             raise RuntimeError(f"{who}: the source rank {src} failed: {desc}")
+        elif status == _wire.FAILED:
+            raise RuntimeError(
+                f"{who}: the source rank {src} failed while sending micro-batch {yielded}: {desc}"
+            )
         else:
             raise RuntimeError(f"{who}: unknown stream status {status} from rank {src}")
 

@@ -74,41 +74,72 @@ class Sender:
     @torch.no_grad()
     def send(self, tensors: list[torch.Tensor], offsets: list[int], total: int, send_fns) -> None:
         """Send the stream made of ``tensors`` (at increasing ``offsets``) once through every
-        function of ``send_fns``."""
+        function of ``send_fns``. If packing a piece fails (an allocation, a dtype without a
+        copy kernel), the rest of the stream goes out as filler (``fill``) before the error
+        propagates, so the receivers' transfers complete and the group stays in step."""
         contiguous: dict[int, torch.Tensor] = {}  # tensors split across pieces, made flat once
         sizes = [nbytes(t) for t in tensors]
         first = 0  # offsets increase: tensors before ``first`` ended in earlier pieces
         for start in range(0, total, self.piece_bytes):
             stop = min(total, start + self.piece_bytes)
-            buf = self._slot(stop - start)
-            while first < len(tensors) and offsets[first] + sizes[first] <= start:
-                first += 1
-            for j in range(first, len(tensors)):
-                t, off, n = tensors[j], offsets[j], sizes[j]
-                if off >= stop:
-                    break
-                lo, hi = max(off, start), min(off + n, stop)
-                if lo >= hi:
-                    continue
-                if lo == off and hi == off + n:  # whole tensor in this piece: strided copy
-                    view_tensor(buf, off - start, t.dtype, t.shape).copy_(t)
-                else:
-                    if j not in contiguous:
-                        # (a conjugate or negative view has no byte view: resolve it first)
-                        flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-                        contiguous[j] = flat.view(torch.uint8)
-                    buf[lo - start : hi - start].copy_(contiguous[j][lo - off : hi - off])
-                    if hi == off + n:
-                        del contiguous[j]
+            try:
+                buf = self._slot(stop - start)
+                while first < len(tensors) and offsets[first] + sizes[first] <= start:
+                    first += 1
+                for j in range(first, len(tensors)):
+                    t, off, n = tensors[j], offsets[j], sizes[j]
+                    if off >= stop:
+                        break
+                    lo, hi = max(off, start), min(off + n, stop)
+                    if lo >= hi:
+                        continue
+                    if lo == off and hi == off + n:  # whole tensor in this piece: strided copy
+                        view_tensor(buf, off - start, t.dtype, t.shape).copy_(t)
+                    else:
+                        if j not in contiguous:
+                            # (a conjugate or negative view has no byte view: resolve it first)
+                            flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+                            contiguous[j] = flat.view(torch.uint8)
+                        buf[lo - start : hi - start].copy_(contiguous[j][lo - off : hi - off])
+                        if hi == off + n:
+                            del contiguous[j]
+            except Exception:
+                contiguous.clear()
+                self.fill(start, total, send_fns)
+                raise
             piece = buf[: stop - start]
             self.works[self.k % 2] = [fn(piece) for fn in send_fns]
             self.k += 1
+
+    def fill(self, start: int, total: int, send_fns) -> None:
+        """Send bytes ``[start, total)`` of a stream as filler (whatever a staging buffer holds):
+        the receivers' transfers complete, and the header that follows tells them to drop it.
+        Reuses a staging buffer when one is large enough (the failure may have been an
+        allocation); raises ``StreamBroken`` if even that fails."""
+        try:
+            for lo in range(start, total, self.piece_bytes):
+                n = min(total, lo + self.piece_bytes) - lo
+                fits = [b for b in self.bufs if b is not None and b.numel() >= n]
+                # (the buffer is only read: sharing it with a send in flight is harmless)
+                buf = fits[0] if fits else torch.empty(n, dtype=torch.uint8, device=self.device)
+                self.works[self.k % 2] += [fn(buf[:n]) for fn in send_fns]
+                self.k += 1
+        except Exception as exc:
+            raise StreamBroken(
+                f"could not complete a stream with filler after a failed send ({exc}); the "
+                "receivers will time out"
+            ) from exc
 
     def wait(self) -> None:
         for slot in (0, 1):
             for w in self.works[slot]:
                 w.wait()
             self.works[slot] = []
+
+
+class StreamBroken(RuntimeError):
+    """The source failed mid-stream and could not complete the receivers' transfers: no error
+    header can follow (the receivers raise on their timeout)."""
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)

@@ -27,7 +27,9 @@ MESSAGE_BYTES = 512  # error text carried by a status all-gather (truncated)
 HANDSHAKE_FIELDS = 8  # fields per handshake row (unused ones are 0)
 
 # control word: [MAGIC, status, n_samples, payload_bytes, meta_bytes, seq]
-BATCH, END, ERROR, ABORT = 0, 1, 2, 3
+# FAILED: the source failed while sending the micro-batch in flight (its transfers were completed
+# with filler): the receivers drop that micro-batch and raise with the message the header carries
+BATCH, END, ERROR, ABORT, FAILED = 0, 1, 2, 3, 4
 CONTROL_LEN = 6
 
 

@@ -13,16 +13,21 @@ Failure handling: every stream starts with a handshake (``all_gather`` of each r
 arguments, bounded by ``timeout``), so mismatched ``max_chunk_bytes``/``src``/``token_keys``/
 ``layout``/``allow_early_stop`` raise the same ``ValueError`` on every rank, and so does an
 invalid argument on any one rank (it joins the handshake before raising its own error). If the
-source's iterable raises, the error message travels in the next header and every receiver
-raises ``RuntimeError`` with it. If the source's caller stops consuming (closes the generator, or
-raises in its loop body), the receivers raise ``RuntimeError`` too, unless every rank passed
-``allow_early_stop=True``. A source that dies breaks the connection (gloo raises at once); a rank
-that stalls or never joins is bounded by ``timeout`` (seconds per header exchange and for the
+source's iterable raises, or sending a micro-batch fails on the source (an allocation, a dtype
+without a kernel), the error message travels in the next header and every receiver raises
+``RuntimeError`` with it. If the source's caller stops early, it must close the generator
+(``stream.close()``, e.g. in a ``finally``, or iterate under ``contextlib.closing``): the
+receivers then raise ``RuntimeError`` too, unless every rank passed ``allow_early_stop=True``.
+A generator left open (the caller raised in its loop body but still holds it) tells the
+receivers nothing until it is garbage collected: until then they wait, up to ``timeout``. A
+source that dies breaks the connection (gloo raises at once); a rank that stalls or never joins
+is bounded by ``timeout`` (seconds per header exchange and for the
 handshake) or by ``init_process_group(timeout=...)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -133,7 +138,7 @@ def _sample_bytes(sample: Sample, index: int) -> int:
 def _broadcast_meta_size(sample: Sample) -> int:
     """Pickled size of the sample's entry in ``_describe`` (8 bytes per tensor for its offset)."""
     fields = [
-        (k, ("t", v.dtype, tuple(v.shape), 0) if isinstance(v, torch.Tensor) else ("o", v))
+        (k, ("t", v.dtype, tuple(v.shape), 0) if isinstance(v, torch.Tensor) else ("o", _own(v)))
         for k, v in sample.items()
     ]
     return _wire.meta_nbytes(fields) + 8 * sum(isinstance(v, torch.Tensor) for v in sample.values())
@@ -150,8 +155,8 @@ def _describe(batch: list[Sample]) -> tuple[list, list[torch.Tensor]]:
             if isinstance(value, torch.Tensor):
                 fields.append((key, ("t", value.dtype, tuple(value.shape), offsets[j])))
                 j += 1
-            else:
-                fields.append((key, ("o", value)))
+            else:  # (tensors nested in it travel as CPU copies of their own size)
+                fields.append((key, ("o", _own(value))))
         desc.append(fields)
     return desc, tensors
 
@@ -187,7 +192,8 @@ def broadcast_chunked(
         samples: on ``src``, an iterable (list or generator: generation may run lazily, it is
             pulled one micro-batch ahead) of dicts. Tensor values (any dtype and shape, 0-d and
             empty included, dense, on CPU or the device) travel as raw bytes; every other value is
-            metadata and is pickled (at most 8 MiB per sample). ``None`` on other ranks.
+            metadata and is pickled (at most 8 MiB per sample; tensors nested in it, in dicts,
+            lists or tuples, as CPU copies of their own size). ``None`` on other ranks.
         src: rank within ``group`` that owns ``samples`` (the global rank when ``group`` is None).
         group: process group (default: the world). gloo stages through CPU buffers, NCCL through
             the current CUDA device.
@@ -198,9 +204,12 @@ def broadcast_chunked(
             several transfers. Must be the same on every rank (checked).
         timeout: seconds to wait for the handshake and for each micro-batch header before
             raising (default: the process group's timeout).
-        allow_early_stop: if True (on every rank, checked), the source may stop early (close
-            its generator, or raise in its loop body) and the receivers then simply end at the
-            same point. If False, the receivers raise ``RuntimeError`` in that case.
+        allow_early_stop: if True (on every rank, checked), the source may stop early and the
+            receivers then simply end at the same point. If False, the receivers raise
+            ``RuntimeError`` in that case. Either way the source stops by closing its generator
+            (``stream.close()`` or ``contextlib.closing``, also when its loop body raises): the
+            receivers learn of the stop only then (or when the generator is garbage
+            collected), and otherwise wait up to ``timeout``.
 
     Yields:
         Lists of sample dicts, the same micro-batches in the same order on every rank. On
@@ -217,9 +226,10 @@ def broadcast_chunked(
         ValueError on every rank if the ranks disagree on ``src`` or ``max_chunk_bytes`` or one
         rank has invalid arguments (that rank raises its own error at call time, after joining
         the handshake the others run on their first ``next()``); RuntimeError on the receivers,
-        after the micro-batches sent before it, if the source's iterable raised (the source
-        re-raises the original error), or if the source stopped consuming without
-        ``allow_early_stop``; RuntimeError when ``timeout`` passes.
+        after the micro-batches sent before it, if the source's iterable raised or sending a
+        micro-batch failed there (the source re-raises the original error), or if the source
+        closed its generator early without ``allow_early_stop``; RuntimeError when ``timeout``
+        passes.
     """
     name = "broadcast_chunked"
     rank, world = _group_rank(name, group)
@@ -304,7 +314,8 @@ def scatter_for_ring(
         samples: on ``src``, an iterable of dicts; ``sample[key]`` for each of ``token_keys`` is a
             dense tensor ``(len_i, *rest_key)`` with the same ``len_i`` for all keys of a sample
             and the same dtype and ``rest_key`` across samples. Other values are per-sample
-            metadata, pickled (tensors among them are moved to the CPU). ``None`` elsewhere.
+            metadata, pickled (tensors among them, also nested in dicts, lists or tuples, as
+            CPU copies of their own size). ``None`` elsewhere.
         src: rank within ``group`` that owns ``samples``.
         group: the ring group (default: the world); its size is the plan's ``world_size``.
         token_keys: the per-token fields to shard (same on every rank, checked).
@@ -320,8 +331,11 @@ def scatter_for_ring(
             False there). Default: ``-100`` (the ignore index of the log-prob ops and losses)
             for signed integer keys whose name contains ``"label"`` or ``"target"``, 0 for every
             other key (bool and uint8 masks included); entries given here override that. Keys
-            must be token keys and values numbers that fit the key's dtype (an integer for
-            integer keys), the same on every rank.
+            must be token keys and values numbers that fit the key's dtype (an integer in range
+            for integer keys; a finite value within ``torch.finfo``, or +-inf/NaN, for floating
+            keys; only 0 for dtypes without ``masked_fill``, such as float8), the same on every
+            rank. The source refuses a pad that does not fit before sending the first
+            micro-batch (ValueError there, RuntimeError with its message on the receivers).
 
     Yields:
         ``(plan, local_tensors, meta)`` on every rank: ``plan`` the micro-batch's ``RingPlan``
@@ -335,8 +349,9 @@ def scatter_for_ring(
         ``max_chunk_bytes``/``allow_early_stop``, or invalid arguments on any rank (that rank
         raises its own ValueError or TypeError at call time, as ``broadcast_chunked``);
         RuntimeError on the receivers if the source's
-        iterable raised or a sample is malformed (the source raises the original error), or if
-        the source stopped consuming without ``allow_early_stop``; RuntimeError on timeout.
+        iterable raised, a sample is malformed, a pad value does not fit or sending failed (the
+        source raises the original error), or if the source closed its generator early without
+        ``allow_early_stop``; RuntimeError on timeout.
     """
     name = "scatter_for_ring"
     rank, world = _group_rank(name, group)
@@ -433,27 +448,53 @@ def _token_budget(token_keys):
 _VIEW_MIN_RUN = 256
 
 
-def _check_specs(name: str, specs: list, first: list, pad_values: dict) -> None:
+def _check_specs(name: str, specs: list, first: list, pad_values: dict, devices=("cpu",)) -> None:
     """On the source, before a micro-batch is sent: its keys' dtypes and trailing shapes match
-    the first micro-batch's, and each pad value fits its key's dtype."""
+    the first micro-batch's, and each pad value fits its key's dtype (``_check_pad``)."""
     if not first:
         first.extend(specs)
         for key, dtype, _ in specs:
-            value = pad_values.get(key)
-            if value is None or dtype.is_floating_point or dtype.is_complex:
-                continue
-            info = None if dtype == torch.bool else torch.iinfo(dtype)
-            fits = (0, 1) if info is None else (info.min, info.max)
-            if not fits[0] <= value <= fits[1] or value != int(value):  # inf, NaN: the range
-                raise ValueError(
-                    f"{name}: pad_values[{key!r}]={value!r} does not fit {key!r}'s {dtype} "
-                    f"(integers in [{fits[0]}, {fits[1]}])"
-                )
+            if key in pad_values:
+                _check_pad(name, key, dtype, pad_values[key], devices)
     elif specs != first:
         raise ValueError(
             f"{name}: every sample's token keys must keep one dtype and trailing shape, got "
             f"{specs} after {first} (key, dtype, trailing shape)"
         )
+
+
+def _check_pad(name: str, key: str, dtype: torch.dtype, value, devices) -> None:
+    """Refuse a pad value that ``_with_pad_values`` could not write into ``dtype`` on
+    ``devices`` (every rank would raise there, out of step): an integer key takes integers in
+    its range, a floating (or complex) key finite values within ``finfo`` or +-inf/NaN, and a
+    dtype without ``masked_fill`` (float8, uint16...) only the default 0 (nothing is filled)."""
+    where = f"{name}: pad_values[{key!r}]={value!r}"
+    if dtype.is_floating_point or dtype.is_complex:
+        info = torch.finfo(dtype)
+        finite = not (isinstance(value, float) and not math.isfinite(value))
+        if finite and not info.min <= value <= info.max:
+            raise ValueError(
+                f"{where} does not fit {key!r}'s {dtype} (finite values in "
+                f"[{info.min}, {info.max}], or +-inf/NaN)"
+            )
+    else:
+        info = None if dtype == torch.bool else torch.iinfo(dtype)
+        fits = (0, 1) if info is None else (info.min, info.max)
+        if not fits[0] <= value <= fits[1] or value != int(value):  # inf, NaN: the range
+            raise ValueError(
+                f"{where} does not fit {key!r}'s {dtype} (integers in [{fits[0]}, {fits[1]}])"
+            )
+    if value == 0:  # the default: pad slots are zeros already, nothing is filled
+        return
+    for device in dict.fromkeys(torch.device(d) for d in devices):
+        try:  # what _with_pad_values does with it, on one element
+            t = torch.zeros(1, dtype=dtype, device=device)
+            t.masked_fill(torch.ones(1, dtype=torch.bool, device=device), value)
+        except (RuntimeError, TypeError) as exc:  # not implemented for the dtype
+            raise ValueError(
+                f"{where}: {key!r}'s {dtype} pad slots cannot be filled on {device} "
+                f"({exc}); leave its pad at the default 0"
+            ) from exc
 
 
 def _token_specs(batch: list[Sample], token_keys) -> tuple[list[int], list]:
@@ -499,14 +540,21 @@ def _meta_of(sample: Sample, token_keys) -> dict:
 
 
 def _own(v):
-    """A per-sample tensor on the CPU with a storage of its own size: pickling a view (say
-    ``rewards[i]``) writes its whole base, once per sample."""
-    if not isinstance(v, torch.Tensor):
-        return v
-    t = v.detach().cpu()
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
+    """Metadata ready to pickle: every tensor in it (at any depth of dicts, lists and tuples)
+    as a CPU tensor with a storage of its own size, since pickling a view (say ``rewards[i]``)
+    writes its whole base, once per sample. Containers without tensors are returned as is."""
+    if isinstance(v, torch.Tensor):
+        t = v.detach().cpu()
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)
+        return t
+    if type(v) is dict:
+        items = {k: _own(x) for k, x in v.items()}
+        return items if any(items[k] is not x for k, x in v.items()) else v
+    if type(v) in (list, tuple):
+        items = [_own(x) for x in v]
+        return type(v)(items) if any(a is not b for a, b in zip(items, v)) else v
+    return v
 
 
 def _scatter_side(
@@ -522,7 +570,9 @@ def _scatter_side(
 
         def prepare(batch):
             cu, specs = _token_specs(batch, token_keys)
-            _check_specs(name, specs, first, pad_values)
+            # pads are filled on the buffer device (receivers) and the samples' (the source)
+            devices = (device, *(batch[0][k].device for k in token_keys))
+            _check_specs(name, specs, first, pad_values, devices)
             plan = RingPlan.build(cu, world, layout)
             meta = [_meta_of(s, token_keys) for s in batch]
             desc = {"cu": cu, "specs": specs, "meta": meta, "local_len": plan.local_len}
@@ -548,13 +598,28 @@ def _scatter_side(
                     for (k, _, rest), p in zip(specs, shard_pieces(rank))
                 }
 
+            # every rank's shard stream is this long (as the receivers size theirs from desc)
+            shard_bytes = _stream.layout(
+                [_stream.spec_nbytes(d, (plan.local_len, *rest)) for _, d, rest in specs]
+            )[1]
+
             def start():
                 nonlocal shard_pieces
-                with torch.no_grad():
-                    for r in range(world):
-                        if r != rank:
-                            _send_shard(sender, shard_pieces(r), group, r)
-                shard_pieces = None  # nothing of the micro-batch is kept while the caller works
+                owed = [r for r in range(world) if r != rank]
+                try:
+                    with torch.no_grad():
+                        while owed:
+                            pieces = shard_pieces(owed[0])
+                            # from here on a failure fills the rest of this rank's stream itself
+                            _send_shard(sender, pieces, group, owed.pop(0))
+                            del pieces
+                except Exception:
+                    for r in owed:  # complete their transfers: the FAILED header follows
+                        send = [_stream.isend_fn(_wire.global_rank(group, r), group)]
+                        sender.fill(0, shard_bytes, send)
+                    raise
+                finally:
+                    shard_pieces = None  # nothing of the micro-batch is kept while the caller works
 
             return _wire.dumps_meta(desc, name), cu[-1], start, (plan, own, meta)
 
