@@ -648,7 +648,7 @@ def test_models_that_never_call_the_attention_interface_are_refused(cfg_cls, mod
     model = getattr(transformers, model_cls)(config).eval()
     with pytest.raises(ValueError, match="never calls transformers' AttentionInterface"):
         model(input_ids=torch.randint(0, VOCAB, (1, 8)))
-    assert hf._uses_attention_interface(transformers.LlamaConfig)
+    assert hf.uses_attention_interface(transformers.LlamaConfig)
 
 
 def test_value_heads_narrower_than_query_heads(tmp_path):

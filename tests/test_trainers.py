@@ -689,3 +689,23 @@ def test_bf16_zero0_steps_as_zero1_and_frozen_models_keep_their_dtype():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["0"] == got["1"], got
     assert got["frozen"] == "torch.float32"
+
+
+@pytest.mark.slow
+def test_models_outside_the_attention_interface_need_no_packing(tmp_path):
+    """A Bloom model would have trained packed with samples attending to each other (its layers
+    compute attention from a mask ours leaves empty); the trainer refuses it up front."""
+    from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
+
+    from trainers.tiny import ensure_tiny
+
+    tok = AutoTokenizer.from_pretrained(ensure_tiny())
+    BloomForCausalLM(
+        BloomConfig(vocab_size=len(tok), hidden_size=32, n_layer=1, n_head=4)
+    ).save_pretrained(tmp_path / "bloom")
+    tok.save_pretrained(tmp_path / "bloom")
+    args = ["--model", str(tmp_path / "bloom"), "--max-steps", "1", "--logger", "none"]
+    proc = run_trainer("sft", args, tmp_path / "o", check=False)
+    assert proc.returncode != 0 and "bloom models compute attention" in proc.stderr
+    assert "use --no-packing" in proc.stderr and "Traceback" not in proc.stderr
+    run_trainer("sft", args + ["--no-packing", "--batch-size", "4"], tmp_path / "p")

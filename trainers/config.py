@@ -63,7 +63,9 @@ class TrainConfig:
     )
     no_packing: bool = _f(
         False,
-        "padded micro-batches (each to its longest sample; same samples and plan) for comparison",
+        "padded micro-batches (each to its longest sample; same samples and plan) with the "
+        "model's default attention (SDPA or eager), for comparison, or for models whose layers "
+        "do not call transformers' AttentionInterface (Bloom, CodeGen)",
     )
     # parallelism
     ring_attn_size: int = _f(1, "ranks per ring-attention (sequence-parallel) group")

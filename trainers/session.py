@@ -140,6 +140,15 @@ class Session:
                 f"--tp-size {cfg.tp_size} must divide the model's attention heads ({heads}) "
                 f"and key/value heads ({kv})"
             )
+        from rlhf_kernels.integrations.hf import uses_attention_interface
+
+        if not cfg.no_packing and not uses_attention_interface(type(mcfg)):
+            fix = "PPO always packs: it cannot train them" if kind == "ppo" else "use --no-packing"
+            common.fail(
+                f"--model {model_path!r}: {mcfg.model_type} models compute attention in their "
+                f"own layers (not through transformers' AttentionInterface), so packed samples "
+                f"would attend to each other; {fix}"
+            )
         longest = cfg.max_len + getattr(cfg, "max_new_tokens", 0)  # PPO: prompt + response
         table = _position_table(mcfg)
         if table is not None and longest > table:
@@ -332,6 +341,14 @@ class Session:
                     f"*ForSequenceClassification with one label, as saved by trainers.rm; got "
                     f"architectures {archs})"
                 )
+            from rlhf_kernels.integrations.hf import uses_attention_interface
+
+            if not uses_attention_interface(type(rcfg)):
+                common.fail(
+                    f"--reward-model {cfg.reward_model!r}: {rcfg.model_type} models compute "
+                    f"attention in their own layers (not through transformers' "
+                    f"AttentionInterface): not supported as reward models here"
+                )
             problem = _tokenizer_mismatch(self.tokenizer, cfg.reward_model, rcfg)
             if problem:
                 common.fail(
@@ -362,7 +379,8 @@ class Session:
     def _from_pretrained(self, auto_cls, **kwargs):
         from rlhf_kernels.integrations.hf import register
 
-        attn = "sdpa" if self.cfg.no_packing else register()
+        # padded: transformers' default (SDPA where the model has it, else eager)
+        attn = None if self.cfg.no_packing else register()
         dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
         out = auto_cls.from_pretrained(
             self.model_path, attn_implementation=attn, dtype=dtype, **kwargs

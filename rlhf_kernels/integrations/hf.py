@@ -554,7 +554,7 @@ def padding_mask(
     # eager forward of the same model makes them)
     compiling = torch.compiler.is_compiling()
     config = kwargs.get("config")
-    if not compiling and config is not None and not _uses_attention_interface(type(config)):
+    if not compiling and config is not None and not uses_attention_interface(type(config)):
         raise ValueError(
             f"{type(config).__name__}: this model computes attention in its own layers (its "
             f"modeling module never calls transformers' AttentionInterface), so it would run "
@@ -621,7 +621,7 @@ def _packed_segments(mask_function) -> torch.Tensor | None:
 
 
 @functools.cache
-def _uses_attention_interface(config_cls: type) -> bool:
+def uses_attention_interface(config_cls: type) -> bool:
     """Whether the modeling module beside ``config_cls``'s module (``configuration_x`` ->
     ``modeling_x``) imports transformers' ``ALL_ATTENTION_FUNCTIONS``; True when there is no
     such module to look at (custom code)."""
