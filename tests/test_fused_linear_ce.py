@@ -195,3 +195,52 @@ def test_autocast_with_fp32_weight(reduction):
     assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
     with pytest.raises(TypeError, match="weight dtype must equal"):  # outside autocast: refused
         fused_linear_cross_entropy(h, w, y)
+
+
+@pytest.mark.parametrize("kw", [dict(label_smoothing=0.1), dict(lse_square_scale=1e-2)])
+def test_bf16_shared_targets_weight_gradient_summed_in_fp32(kw):
+    """86% of 4096 tokens share one target: the smoothing / z-loss term's weight and bias
+    gradients were summed row by row in bf16."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 4096, 16, 37
+    x = (torch.randn(n, h, generator=g) * 0.5 + 1.0).bfloat16()
+    w = (torch.randn(v, h, generator=g) * 0.3).bfloat16()
+    b = (torch.randn(v, generator=g) * 0.1).bfloat16()
+    y = torch.full((n,), 3)
+    y[::7] = torch.randint(0, v, (len(y[::7]),), generator=g)
+
+    def grads(dtype, fused):
+        ww, bb = (t.to(dtype).clone().requires_grad_() for t in (w, b))
+        if fused:
+            loss = fused_linear_cross_entropy(x, ww, y, bb, **kw)
+        else:
+            logits = F.linear(x.to(dtype), ww, bb)
+            smooth = kw.get("label_smoothing", 0.0)
+            loss = F.cross_entropy(logits.float(), y, label_smoothing=smooth)
+            if "lse_square_scale" in kw:
+                loss = (
+                    loss
+                    + kw["lse_square_scale"] * torch.logsumexp(logits.float(), -1).square().mean()
+                )
+        loss.backward()
+        return ww.grad.double(), bb.grad.double()
+
+    exact = grads(torch.float64, False)
+    ours, plain = grads(torch.bfloat16, True), grads(torch.bfloat16, False)
+    err = [(a - e).abs().max().item() for a, e in zip(ours, exact)]
+    ref = [(a - e).abs().max().item() for a, e in zip(plain, exact)]
+    # measured 2.2x / 1.6x (smoothing), 1.4x / 1.0x (z-loss); each of the loss's terms reaches
+    # the weight as its own bf16 gradient, summed by autograd (33x to 680x before)
+    assert err[0] <= 2.5 * ref[0] and err[1] <= 2.5 * ref[1], (err, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(label_smoothing=0.1), dict(lse_square_scale=1e-3)])
+def test_non_finite_hidden_state_at_an_ignored_token_stays_out_of_the_loss(kw):
+    # the ignored rows were zeroed by a product (NaN * 0 = NaN); F.cross_entropy stays finite
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 8, generator=g), torch.randn(11, 8, generator=g)
+    y = torch.tensor([-100, 1, 2, 3, -100, 5])
+    x[0, 0] = float("nan")
+    for reduction in ("mean", "sum", "none"):
+        loss = fused_linear_cross_entropy(x, w, y, reduction=reduction, **kw)
+        assert torch.isfinite(loss).all(), (kw, reduction)

@@ -30,6 +30,7 @@ row-chunked logits (argmax of the capped logits; memory bounded like the loss).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -185,7 +186,8 @@ def _per_token_loss(
     y_safe = _safe_targets(y, keep, w.shape[0])
     # u_y (capped under a soft cap): the z-loss's lse and the smoothing term both use it
     u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or eps else None
-    lse = (u_y - logp) * keep if u_y is not None else None
+    # where, not a product: a non-finite hidden state at an ignored token must not reach it
+    lse = torch.where(keep, u_y - logp, 0.0) if u_y is not None else None
     if cw is None:
         tok = -logp
         if eps:
@@ -197,7 +199,7 @@ def _per_token_loss(
         tok = (1.0 - eps) * w_y * -logp
         if eps:  # e / V * (lse * sum_v w_v - sum_v w_v u_v)
             wu = _logit_sum(h, w, b, softcap, cw)
-            tok = tok + eps / w.shape[0] * (lse * cw.sum() - wu) * keep
+            tok = tok + torch.where(keep, eps / w.shape[0] * (lse * cw.sum() - wu), 0.0)
         denom = w_y.sum()
     z_tok = z_scale * lse.square() if z_scale else torch.zeros_like(tok)
     if scaling:  # the target probability, detached
@@ -245,11 +247,42 @@ def _reduce(tok, keep, reduction):
 def _target_logit(h, w, y_safe, b, softcap):
     """``u_y`` per token, fp32 (capped when ``softcap``): one gathered row dot product, formed
     in fp32 (a bf16 product per term would be off by ~1e-2 at H=2048). Its backward scatters
-    into a dense ``(V, H)`` weight gradient."""
-    u_y = (h.float() * w[y_safe].float()).sum(-1)
+    into a dense ``(V, H)`` weight gradient, summed in fp32 (``_GatherRows``)."""
+    u_y = (h.float() * _GatherRows.apply(w, y_safe)).sum(-1)
     if b is not None:
-        u_y = u_y + b[y_safe].float()
+        u_y = u_y + _GatherRows.apply(b, y_safe)
     return u_y if softcap is None else softcap * torch.tanh(u_y / softcap)
+
+
+# fp32 elements of one vocabulary slab of _GatherRows' backward (64 MiB)
+_SCATTER_ELEMS = 1 << 24
+
+
+class _GatherRows(torch.autograd.Function):
+    """``w[idx].float()``, whose backward sums the rows' gradients in fp32 (autograd's own
+    scatter adds in ``w``'s dtype: with many tokens sharing a target, a bf16 sum stalls at 30x
+    plain torch's error). The sum runs per vocabulary slab of at most ``_SCATTER_ELEMS`` fp32
+    elements, so it never holds a ``(V, H)`` fp32 tensor."""
+
+    @staticmethod
+    def forward(ctx, w, idx):
+        ctx.save_for_backward(idx)
+        ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
+        return w[idx].float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        rest = ctx.w_shape[1:]
+        dw = torch.empty(ctx.w_shape, dtype=ctx.w_dtype, device=grad.device)
+        step = max(1, _SCATTER_ELEMS // max(1, math.prod(rest)))
+        for lo in range(0, ctx.w_shape[0], step):
+            hi = min(ctx.w_shape[0], lo + step)
+            inside = ((idx >= lo) & (idx < hi)).view(-1, *([1] * len(rest)))
+            part = torch.zeros((hi - lo, *rest), dtype=torch.float32, device=grad.device)
+            part.index_add_(0, (idx - lo).clamp(0, hi - lo - 1), torch.where(inside, grad, 0.0))
+            dw[lo:hi] = part
+        return dw, None
 
 
 def _safe_targets(y, keep, vocab):
@@ -264,7 +297,7 @@ def _smoothing_term(h, w, y, b, keep, reduction, u_y=None, softcap=None):
     if u_y is None:
         u_y = _target_logit(h, w, _safe_targets(y, keep, w.shape[0]), b, softcap)
     u_mean = _logit_sum(h, w, b, softcap) / w.shape[0]
-    return _reduce((u_y - u_mean) * keep, keep, reduction)
+    return _reduce(torch.where(keep, u_y - u_mean, 0.0), keep, reduction)
 
 
 def _logit_sum(h, w, b, softcap, cw=None):
