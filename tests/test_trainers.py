@@ -578,12 +578,12 @@ def test_a_non_finite_loss_stops_before_saving(tmp_path):
         cfg=SimpleNamespace(save_steps=1, output_dir=str(tmp_path)),
     )
     engine = SimpleNamespace(save_checkpoint=lambda *a, **k: saved.append(a))
-    for key in ("loss", "policy_loss", "value_loss"):
+    for key in ("loss", "policy_loss", "value_loss", "grad_norm"):  # NaN grads: NaN weights
         with pytest.raises(SystemExit):
             Session.end_step(s, 3, {key: float("nan")}, engine)
     with pytest.raises(SystemExit):
         Session.end_step(s, 4, {"loss": float("inf")}, engine)
-    assert logged == [3, 3, 3, 4] and saved == []
+    assert logged == [3, 3, 3, 3, 4] and saved == []
 
 
 @pytest.mark.slow
@@ -709,3 +709,39 @@ def test_models_outside_the_attention_interface_need_no_packing(tmp_path):
     assert proc.returncode != 0 and "bloom models compute attention" in proc.stderr
     assert "use --no-packing" in proc.stderr and "Traceback" not in proc.stderr
     run_trainer("sft", args + ["--no-packing", "--batch-size", "4"], tmp_path / "p")
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_and_resume_edges_end_in_one_line(tmp_path):
+    """A damaged newest checkpoint gave tracebacks (or a JSON error naming no file); a resume
+    from the last checkpoint kept the crashed run's later metrics; a checkpoint past the run's
+    last step was taken silently; --overwrite deleted in place (a kill left half a folder)."""
+    args = SHORT[:]
+    args[args.index("--max-steps") + 1] = "2"
+    args += ["--save-steps", "1", "--logger", "none"]
+    run_trainer("sft", args, tmp_path)
+    ckpts = tmp_path / "checkpoints"
+    step2 = ckpts / "step-000002"
+
+    def refused(extra, *needles):
+        proc = run_trainer("sft", args + ["--resume", *extra], tmp_path, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        for needle in needles:
+            assert needle in proc.stderr, proc.stderr[-3000:]
+
+    state = (step2 / "trainer_state.json").read_text()
+    (step2 / "trainer_state.json").write_text("")
+    refused([], "trainer_state.json is unreadable", "delete that checkpoint folder")
+    (step2 / "trainer_state.json").write_text(state)
+    shutil.move(step2 / "engine", tmp_path / "engine")
+    refused([], "step-000002 is incomplete: no engine")
+    shutil.move(tmp_path / "engine", step2 / "engine")
+    refused(["--max-steps", "1"], "is at step 2, past this run's 1 steps")
+    # no step left after the checkpoint: the records past it go (a crash after step 2's log)
+    shutil.rmtree(step2)
+    run_trainer("sft", args + ["--resume", "--max-steps", "1"], tmp_path)
+    assert [m["step"] for m in metrics(tmp_path)] == [1]
+    # --overwrite: the old checkpoints are gone, nothing half-deleted is left beside them
+    run_trainer("sft", args + ["--overwrite"], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000001", "step-000002"]

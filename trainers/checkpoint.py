@@ -42,6 +42,33 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return max(found)[1] if found else None
 
 
+def read_state(path: Path) -> dict:
+    """``path/trainer_state.json`` as a dict with an integer ``step``; ValueError naming the
+    file when it is unreadable or malformed."""
+    file = path / "trainer_state.json"
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume: {file} is unreadable ({e}): {_DELETE_IT}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"--resume: {file} has no integer 'step': {_DELETE_IT}")
+    return state
+
+
+_DELETE_IT = "delete that checkpoint folder to resume from an earlier one (or start fresh)"
+
+
+def check_complete(path: Path, tags: list[str], rank: int) -> None:
+    """ValueError unless ``path`` holds a readable state, the engine folders ``tags`` and this
+    rank's RNG state (a folder damaged after its commit, e.g. by a partial copy)."""
+    read_state(path)
+    missing = [t for t in tags if not (path / t).is_dir()]
+    if not (path / f"rng_rank{rank}.pt").is_file():
+        missing.append(f"rng_rank{rank}.pt (saved by a different number of processes?)")
+    if missing:
+        raise ValueError(f"--resume: {path} is incomplete: no {', '.join(missing)}; {_DELETE_IT}")
+
+
 def _rng_state() -> dict[str, Any]:
     state = {
         "python": random.getstate(),
@@ -86,9 +113,14 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
     _barrier()  # every rank's files are on disk
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-        if final.exists():  # a re-save of the same step (a resumed run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # a re-save of the same step (a resumed run): replace it, the old
+            old = root / f".old-step-{step:06d}"  # one out of the way first (a crash between
+            shutil.rmtree(old, ignore_errors=True)  # the two renames keeps one of them whole)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
     _barrier()
     return final
 
@@ -107,7 +139,7 @@ def check_layout(path: Path, layout: dict) -> None:
     """ValueError unless the checkpoint in ``path`` was saved by the same process layout
     (``layout``: sizes, ZeRO stage, dtype, optimizer offload and, for PPO, whether a critic is
     trained, as the trainer saved them in its state; keys a checkpoint lacks are not compared)."""
-    saved = json.loads((path / "trainer_state.json").read_text()).get("layout")
+    saved = read_state(path).get("layout")
     if saved is None:
         return
     differ = [k for k in layout if k in saved and saved[k] != layout[k]]
@@ -137,7 +169,7 @@ def check_data(path: Path, data: dict) -> None:
     them) are the checkpoint's: a resumed run repeats the checkpoint's run step for step, so a
     changed dataset, key, template, batch size or seed would silently make another run. Keys a
     checkpoint lacks are not compared."""
-    saved = json.loads((path / "trainer_state.json").read_text()).get("data")
+    saved = read_state(path).get("data")
     differ = [k for k in data if saved is not None and k in saved and saved[k] != data[k]]
     if differ:
 
@@ -163,11 +195,18 @@ def load_checkpoint(engine, path: Path, tag: str = _TAG, rng: bool = True) -> di
     """Restore ``engine`` (model, optimizer, scheduler) from ``tag`` and, with ``rng``, this
     rank's RNG; returns the trainer state (``step`` and what the trainer saved)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    load_path, _ = engine.load_checkpoint(str(path), tag=tag)
+    try:
+        load_path, _ = engine.load_checkpoint(str(path), tag=tag)
+    except (RuntimeError, AssertionError, OSError, KeyError, ValueError) as e:
+        raise ValueError(
+            f"--resume: DeepSpeed could not load {tag!r} from {path} ({type(e).__name__}: "
+            f"{str(e)[:300]}): the folder is damaged or was saved from another model; "
+            f"{_DELETE_IT}"
+        ) from e
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load {tag!r} from the checkpoint in {path}")
+        raise ValueError(f"--resume: DeepSpeed could not load {tag!r} from {path}; {_DELETE_IT}")
     if not rng:
-        return json.loads((path / "trainer_state.json").read_text())
+        return read_state(path)
     rng = path / f"rng_rank{rank}.pt"
     if not rng.is_file():
         raise ValueError(
@@ -175,4 +214,4 @@ def load_checkpoint(engine, path: Path, tag: str = _TAG, rng: bool = True) -> di
             f"processes? (resume with the same torchrun layout)"
         )
     _set_rng_state(torch.load(rng, weights_only=False))
-    return json.loads((path / "trainer_state.json").read_text())
+    return read_state(path)

@@ -8,12 +8,13 @@ import os
 import random
 import shutil
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from rlhf_kernels.packing import IGNORE_INDEX, pack_sequences, plan_micro_batches
 from trainers.distributed import Layout, all_ranks_ok
@@ -36,17 +37,22 @@ def check_output_dir(path: str, layout: Layout | None, cfg=None) -> None:
     A fresh run (no ``--resume``) refuses a folder holding an earlier run's checkpoints, which a
     later ``--resume`` would take for its own, unless ``--overwrite`` (then
     :func:`clear_checkpoints` deletes them once the run's inputs have passed their checks)."""
-    from trainers.checkpoint import latest_checkpoint
+    from trainers.checkpoint import checkpoint_root, latest_checkpoint
+    from trainers.logger import METRICS_FILE
 
     message = ""
     resume, overwrite = bool(getattr(cfg, "resume", False)), bool(getattr(cfg, "overwrite", False))
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
-        probe = Path(path) / f".write-probe-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        root, metrics = checkpoint_root(path), Path(path) / METRICS_FILE
+        for folder in (Path(path), root) if root.exists() else (Path(path),):
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)  # a unique name:
+            os.close(fd)  # ranks of several nodes (same pids in containers) share the folder
+            os.unlink(probe)
         old = latest_checkpoint(path)
-        if resume and overwrite:
+        if metrics.exists() and not metrics.is_file():
+            message = f"--output-dir {path!r}: {metrics} is not a file"
+        elif resume and overwrite:
             message = "give --resume or --overwrite, not both"
         elif old is not None and not resume and not overwrite:
             message = (
@@ -59,13 +65,23 @@ def check_output_dir(path: str, layout: Layout | None, cfg=None) -> None:
 
 
 def clear_checkpoints(path: str, layout: Layout | None) -> None:
-    """Collective: rank 0 deletes ``path``'s checkpoints (``--overwrite``)."""
+    """Collective: rank 0 deletes ``path``'s checkpoints (``--overwrite``): first one atomic
+    rename out of the way (a kill midway cannot leave a half-deleted checkpoint that a later
+    ``--resume`` would take), then the deletion; every rank fails if the rename does."""
     from trainers.checkpoint import checkpoint_root
 
-    if layout is None or layout.rank == 0:
-        shutil.rmtree(checkpoint_root(path), ignore_errors=True)
-    if layout is not None and layout.world > 1:
-        dist.barrier()  # nobody saves into the folder while rank 0 clears it
+    root, message = checkpoint_root(path), ""
+    if (layout is None or layout.rank == 0) and root.exists():
+        trash = root.with_name(f".deleting-checkpoints-{os.getpid()}-{time.time_ns()}")
+        try:
+            os.replace(root, trash)
+        except OSError as e:
+            message = f"--overwrite: cannot move {root} out of the way ({e.strerror or e})"
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
+            if trash.exists():  # out of the way already: only disk space is lost
+                print(f"warning: --overwrite could not delete all of {trash}", file=sys.stderr)
+    all_ranks_ok(not message, message, layout)  # also: nobody saves before rank 0 is done
 
 
 # ----------------------------------------------------------------------------- batches

@@ -138,6 +138,12 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=step)
 
+    def start_at(self, step: int) -> None:
+        """Open the outputs as the first ``log`` at ``step`` would (a resumed file is truncated
+        at ``step``), also when no step is left to log (a resume from the last checkpoint)."""
+        if self.enabled and not self._closed and not self._started:
+            self._open(int(step))
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record ``metrics`` (numbers, numpy or one-element tensors) at optimizer ``step``."""
         if not self.enabled:

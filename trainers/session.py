@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from trainers import common, data
 from trainers.checkpoint import (
+    check_complete,
     check_data,
     check_layout,
     latest_checkpoint,
@@ -116,8 +117,11 @@ class Session:
             common.check_output_dir(cfg.output_dir, layout, cfg)
             # every rank reads the same file: all fail together, before config.json or a model
             if cfg.resume and (ckpt := latest_checkpoint(cfg.output_dir)) is not None:
-                check_layout(ckpt, checkpoint_layout(cfg, kind, layout))
+                saved_layout = checkpoint_layout(cfg, kind, layout)
+                check_layout(ckpt, saved_layout)
                 check_data(ckpt, checkpoint_data(cfg))
+                tags = ["engine"] + (["critic"] if saved_layout.get("critic") else [])
+                check_complete(ckpt, tags, layout.rank)
         except ValueError as e:
             common.fail(str(e))
         common.seed_everything(cfg.seed)
@@ -445,7 +449,10 @@ class Session:
             check_tp_inputs=False,
         )
         if self.cfg.resume and (ckpt := latest_checkpoint(self.cfg.output_dir)) is not None:
-            load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
+            try:
+                load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
+            except ValueError as e:
+                common.fail(str(e))
             apply_optimizer_flags(self.critic, self.cfg.critic_lr, self.cfg.weight_decay)
         return self.critic
 
@@ -463,7 +470,15 @@ class Session:
             if ckpt is None:
                 self.print(f"--resume: no checkpoint in {self.cfg.output_dir}, starting fresh")
             else:
-                start = load_checkpoint(engine, ckpt)["step"]
+                try:
+                    start = load_checkpoint(engine, ckpt)["step"]
+                except ValueError as e:
+                    common.fail(str(e))
+                if start > self.total:
+                    common.fail(
+                        f"--resume: {ckpt} is at step {start}, past this run's {self.total} "
+                        f"steps: raise --max-steps / --epochs to continue it, or start a new run"
+                    )
                 apply_optimizer_flags(engine, self.cfg.lr, self.cfg.weight_decay)
                 self.print(f"resumed from {ckpt} (step {start})")
         return engine, start
@@ -473,6 +488,7 @@ class Session:
         from tqdm import tqdm
 
         self._open_outputs()
+        self.logger.start_at(start + 1)  # a resumed run drops the records past its checkpoint
         self._bar = tqdm(
             range(start + 1, self.total + 1),
             initial=start,
@@ -495,7 +511,8 @@ class Session:
         self.logger.log(metrics, step)
         # the losses are global (reduced over the ranks): every rank stops here together, before
         # a checkpoint or the final model could save non-finite weights over good ones
-        bad = [k for k in ("loss", "policy_loss", "value_loss") if not _finite(metrics.get(k))]
+        keys = ("loss", "policy_loss", "value_loss", "grad_norm")  # NaN gradients: NaN weights
+        bad = [k for k in keys if not _finite(metrics.get(k))]
         if bad:
             self.logger.close()
             common.fail(
