@@ -36,3 +36,5 @@ def test_gain_windows_never_overlap():
         demo.gain_windows([0.3])
     with pytest.raises(SystemExit):
         demo.parse_args(["--rl-steps", "1"])
+    with pytest.raises(SystemExit):  # NaN: every gain passed the check
+        demo.parse_args(["--min-gain", "nan"])

@@ -374,6 +374,16 @@ def test_score_reports_a_raising_function_and_bad_columns():
     def boom(prompts, responses, **_):
         raise KeyError("target")
 
+    def lazy(prompts, responses, **_):  # a generator: its code runs when the result is read
+        yield 1 / 0
+
+    with pytest.raises(ValueError, match="reward function pkg:lazy raised ZeroDivisionError"):
+        rewards.score(lazy, "pkg:lazy", ["p"], ["a"], {})
+    with pytest.raises(ValueError, match="reward function pkg:map raised ValueError"):
+        rewards.score(lambda responses, **_: map(float, responses), "pkg:map", ["p"], ["a"], {})
+    with pytest.raises(ValueError, match=r"returned 1000\d+ for response #0: expected a finite"):
+        rewards.score(_const([10**400]), "pkg:huge", ["p"], ["a"], {})  # no float: OverflowError
+
     with pytest.raises(ValueError, match="reward function pkg:boom raised KeyError: 'target'"):
         rewards.score(boom, "pkg:boom", ["p"], ["a"], {})
     with pytest.raises(ValueError, match="column 'target': expected one entry per response"):

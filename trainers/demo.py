@@ -11,7 +11,8 @@
 Every stage is the real trainer program run as a subprocess (the command is printed), so the
 demo shows what a user types. The recipe lives in ``trainers/warm_start.py`` (the SFT stage,
 the prompts) and in ``trainers.ppo``'s defaults (the RL hyper-parameters): ``python -m
-trainers.ppo`` with no arguments runs the same pipeline from a cached warm start. Exits 1 if RL
+trainers.ppo --seed 1`` runs the same RL stage from a cached warm start (the demo's default
+``--seed`` is 1). Exits 1 if RL
 did not raise the mean reward by ``--min-gain``.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -61,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=SFT_SEED, help="seed of both runs")
     p.add_argument("--min-gain", type=float, default=0.2, help="required reward gain")
     args = p.parse_args(argv)
+    if not math.isfinite(args.min_gain):
+        p.error(f"--min-gain must be a finite number, got {args.min_gain}")
     if args.rl_steps is not None and args.rl_steps < 2:  # before the SFT stage's minutes
         p.error(f"--rl-steps: the reward of the first and last steps is compared: need >= 2, got "
                 f"{args.rl_steps}")  # fmt: skip

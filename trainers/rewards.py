@@ -89,22 +89,30 @@ def score(
             f"{type(out).__name__}" + (f" of shape {shape}" if shape is not None else "")
         )
     try:
-        out = list(out)
+        it = iter(out)
     except TypeError:
         raise ValueError(
             f"reward function {name} must return a sequence of {n} numbers, got "
             f"{type(out).__name__}"
         ) from None
+    try:  # a lazy result (generator, map) runs the function's code here
+        out = list(it)
+    except Exception as e:
+        raise ValueError(f"reward function {name} raised {type(e).__name__}: {e}") from e
     if len(out) != n:
         raise ValueError(f"reward function {name} returned {len(out)} rewards for {n} responses")
     values = []
     for i, v in enumerate(out):
         x = _as_number(v)
+        try:  # 10**400 or a huge Fraction: no float
+            x = None if x is None else float(x)
+        except (OverflowError, ValueError, TypeError):
+            x = None
         if x is None or not math.isfinite(x):
             raise ValueError(
                 f"reward function {name} returned {v!r} for response #{i}: expected a finite number"
             )
-        values.append(float(x))
+        values.append(x)
     return values
 
 
@@ -127,8 +135,8 @@ def reverse_reward(prompts, responses, target, **_) -> list[float]:
 
     After stripping surrounding whitespace from both: the number of positions ``i`` where
     ``response[i] == target[i]`` divided by ``max(len(target), len(response))``; so extra or
-    missing characters cost, and an empty answer scores 0. E.g. target "dcba": "dcba" 1.0,
-    "dcbx" 0.75, "dc" 0.5, "dcbaaa" 4/6, "abcd" 0.0.
+    missing characters cost, and an empty answer scores 0 (also for an empty target: nothing to
+    reward). E.g. target "dcba": "dcba" 1.0, "dcbx" 0.75, "dc" 0.5, "dcbaaa" 4/6, "abcd" 0.0.
     """
     _check_targets("reverse_reward", responses, target)
     return [_position_score(r, t) for r, t in zip(responses, target)]
