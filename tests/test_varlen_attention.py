@@ -495,3 +495,17 @@ def test_fp32_without_gradients_keeps_fused_forward():
         )
     err, err_plain = ((t.double() - ref).abs().max().item() for t in (out, plain))
     assert err <= 2 * err_plain, (err, err_plain)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_pack_stays_connected_to_its_inputs(backend):
+    """A pack without sequences: the torch backend returned new zeros, so backward raised and
+    the projections got None gradients (DDP's unused-parameter error)."""
+    q, k, v = (torch.zeros(0, 2, 16, requires_grad=True) for _ in range(3))
+    cu = torch.zeros(1, dtype=torch.int32)
+    out, lse = varlen_attention(
+        q, k, v, cu, cu, 0, 0, causal=True, backend=backend, return_lse=True
+    )
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    (out.sum() + lse.sum()).backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))

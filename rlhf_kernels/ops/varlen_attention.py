@@ -89,6 +89,13 @@ def _dense_attention(q, k, v, scale, mask, dropout_p):
     return torch.matmul(p, v)
 
 
+def _empty_like_attention(q, k, v) -> torch.Tensor:
+    """The output of a pack without sequences (q has 0 rows), still a function of q, k and v:
+    their gradients are zero-size tensors, not None (DDP counts a None as an unused parameter;
+    the Triton backend's output is connected too)."""
+    return q.new_zeros(q.shape) + q * 0 + (k.sum() + v.sum()).to(q.dtype) * 0
+
+
 def varlen_attention_reference(
     q,
     k,
@@ -124,8 +131,8 @@ def varlen_attention_reference(
         outs.append(o.transpose(0, 1))
         lses.append(lse)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
-    lse = torch.cat(lses, 1) if lses else q.new_zeros(heads, 0)
+    out = torch.cat(outs, 0) if outs else _empty_like_attention(q, k, v)
+    lse = torch.cat(lses, 1) if lses else q.new_zeros(heads, 0) + out.sum() * 0
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
@@ -231,10 +238,10 @@ def _torch_varlen_attention(
             o = o.transpose(1, 2)
             for j, b in enumerate(part):
                 pieces[b] = o[j]
-    out = torch.cat(pieces, 0) if n_seq else q.new_zeros(q.shape)
+    out = torch.cat(pieces, 0) if n_seq else _empty_like_attention(q, k, v)
     if not return_lse:
         return out
-    lse = torch.cat(lses, 1) if lses else q.new_zeros(heads, 0, dtype=torch.float32)
+    lse = torch.cat(lses, 1) if lses else torch.zeros(heads, 0, device=q.device) + out.sum() * 0
     return out, lse
 
 
