@@ -29,6 +29,16 @@ def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, d
     """Source side. ``batches`` yields lists of samples (it may raise); ``drain()`` waits for
     every transfer still in flight."""
     prev, closed = None, False
+
+    def close(status: int, *message: str):
+        """Send the last header, finish the transfers, yield the micro-batch still held."""
+        nonlocal closed
+        header.send(status, *message)
+        closed = True
+        drain()
+        if prev is not None:
+            yield prev
+
     try:
         while True:
             try:
@@ -36,18 +46,10 @@ def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, d
                 if batch is not None:
                     data, word, start, value = prepare(batch)  # validates; nothing sent yet
             except Exception as exc:
-                header.send(_wire.ERROR, f"{type(exc).__name__}: {exc}")
-                closed = True
-                drain()
-                if prev is not None:
-                    yield prev
+                yield from close(_wire.ERROR, f"{type(exc).__name__}: {exc}")
                 raise
             if batch is None:
-                header.send(_wire.END)
-                closed = True
-                drain()
-                if prev is not None:
-                    yield prev
+                yield from close(_wire.END)
                 return
             header.send_raw(_wire.BATCH, data, len(batch), word)
             try:
@@ -57,11 +59,7 @@ def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, d
                 raise
             except Exception as exc:
                 # the receivers drop this micro-batch (not yielded here either) and raise
-                header.send(_wire.FAILED, f"{type(exc).__name__}: {exc}")
-                closed = True
-                drain()
-                if prev is not None:
-                    yield prev
+                yield from close(_wire.FAILED, f"{type(exc).__name__}: {exc}")
                 raise
             if prev is not None:
                 yield prev
