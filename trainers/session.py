@@ -121,7 +121,12 @@ class Session:
                 check_layout(ckpt, saved_layout)
                 check_data(ckpt, checkpoint_data(cfg))
                 tags = ["engine"] + (["critic"] if saved_layout.get("critic") else [])
-                check_complete(ckpt, tags, layout.rank)
+                problem = ""  # this rank's RNG file may be the missing piece: every rank hears
+                try:
+                    check_complete(ckpt, tags, layout.rank)
+                except ValueError as e:
+                    problem = str(e)
+                all_ranks_ok(not problem, problem, layout)
         except ValueError as e:
             common.fail(str(e))
         common.seed_everything(cfg.seed)
