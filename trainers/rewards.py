@@ -51,12 +51,17 @@ def load_reward_fn(spec: str) -> Callable:
     return obj
 
 
-def _as_number(v):
-    """A finite-checkable Python number from ``v`` (0-d tensors/arrays and numpy scalars are
-    unwrapped with ``.item()``), or None when ``v`` is not a real number."""
+def _as_number(v) -> float | None:
+    """``v`` as a Python float (0-d tensors/arrays and numpy scalars are unwrapped with
+    ``.item()``), or None when ``v`` is not a real number or has no float (``10**400``)."""
     if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # 0-d tensor/array, numpy scalar
         v = v.item()
-    return v if isinstance(v, numbers.Real) else None  # bool is an int, so a Real
+    if not isinstance(v, numbers.Real):  # bool is an int, so a Real
+        return None
+    try:
+        return float(v)
+    except (OverflowError, ValueError, TypeError):
+        return None
 
 
 def score(
@@ -104,10 +109,6 @@ def score(
     values = []
     for i, v in enumerate(out):
         x = _as_number(v)
-        try:  # 10**400 or a huge Fraction: no float
-            x = None if x is None else float(x)
-        except (OverflowError, ValueError, TypeError):
-            x = None
         if x is None or not math.isfinite(x):
             raise ValueError(
                 f"reward function {name} returned {v!r} for response #{i}: expected a finite number"

@@ -149,15 +149,9 @@ class Session:
                 f"--tp-size {cfg.tp_size} must divide the model's attention heads ({heads}) "
                 f"and key/value heads ({kv})"
             )
-        from rlhf_kernels.integrations.hf import uses_attention_interface
-
-        if not cfg.no_packing and not uses_attention_interface(type(mcfg)):
+        if not cfg.no_packing:
             fix = "PPO always packs: it cannot train them" if kind == "ppo" else "use --no-packing"
-            common.fail(
-                f"--model {model_path!r}: {mcfg.model_type} models compute attention in their "
-                f"own layers (not through transformers' AttentionInterface), so packed samples "
-                f"would attend to each other; {fix}"
-            )
+            _check_attention_interface(mcfg, f"--model {model_path!r}", fix)
         longest = cfg.max_len + getattr(cfg, "max_new_tokens", 0)  # PPO: prompt + response
         table = _position_table(mcfg)
         if table is not None and longest > table:
@@ -350,14 +344,8 @@ class Session:
                     f"*ForSequenceClassification with one label, as saved by trainers.rm; got "
                     f"architectures {archs})"
                 )
-            from rlhf_kernels.integrations.hf import uses_attention_interface
-
-            if not uses_attention_interface(type(rcfg)):
-                common.fail(
-                    f"--reward-model {cfg.reward_model!r}: {rcfg.model_type} models compute "
-                    f"attention in their own layers (not through transformers' "
-                    f"AttentionInterface): not supported as reward models here"
-                )
+            what = f"--reward-model {cfg.reward_model!r}"
+            _check_attention_interface(rcfg, what, "not supported as reward models here")
             problem = _tokenizer_mismatch(self.tokenizer, cfg.reward_model, rcfg)
             if problem:
                 common.fail(
@@ -611,6 +599,19 @@ def _tokenizer_mismatch(policy_tok, path: str, rcfg) -> str:
     if isinstance(size, int) and size < len(policy_tok):
         return f"has vocab_size {size}, fewer than the policy tokenizer's {len(policy_tok)} tokens"
     return ""
+
+
+def _check_attention_interface(config, what: str, fix: str) -> None:
+    """Fail unless ``config``'s model computes attention through transformers'
+    ``AttentionInterface`` (ours packs samples there; other layers would mix them)."""
+    from rlhf_kernels.integrations.hf import uses_attention_interface
+
+    if not uses_attention_interface(type(config)):
+        common.fail(
+            f"{what}: {config.model_type} models compute attention in their own layers (not "
+            f"through transformers' AttentionInterface), so packed samples would attend to "
+            f"each other; {fix}"
+        )
 
 
 def _finite(x) -> bool:

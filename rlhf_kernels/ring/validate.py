@@ -153,17 +153,6 @@ def _local_problem(
     return 0, ""
 
 
-def _same_options(cached, key: tuple) -> bool:
-    """Whether ``cached`` (a ``plan._cache`` key) is a passed check of ``key``'s group, world
-    and options (the entries after the tensors' shapes, dtypes and device)."""
-    return (
-        type(cached) is tuple
-        and len(cached) == len(key)
-        and cached[:3] == key[:3]
-        and cached[10:] == key[10:]
-    )
-
-
 def validate_ring_call(
     q, k, v, plan, group, world, comm, window_size, softcap, kv_head_stride, tile, causal,
     softmax_scale=None,
@@ -183,25 +172,9 @@ def validate_ring_call(
     """
     key = None
     try:  # unhashable or malformed options: no key, the checks below name the problem
-        key = (
-            "validated",
-            group,
-            world,
-            tuple(q.shape),
-            tuple(k.shape),
-            tuple(v.shape),
-            q.dtype,
-            k.dtype,
-            v.dtype,
-            q.device,
-            bool(causal),
-            tuple(window_size),
-            softcap,
-            comm,
-            kv_head_stride,
-            tile,
-            softmax_scale,
-        )
+        tensors = tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype
+        options = bool(causal), tuple(window_size), softcap, comm, kv_head_stride, tile
+        key = ("validated", group, world, tensors + (q.device,), options + (softmax_scale,))
         if key in plan._cache:
             return
     except (TypeError, AttributeError):
@@ -210,7 +183,14 @@ def validate_ring_call(
         q, k, v, plan, world, comm, window_size, softcap, kv_head_stride, tile, causal,
         softmax_scale,
     )  # fmt: skip
-    if code and key is not None and any(_same_options(c, key) for c in plan._cache):
+    same_options = (
+        key is not None
+        and any(  # passed before with other (this rank's bad) tensors
+            type(c) is tuple and len(c) == 5 and c[:3] == key[:3] and c[4] == key[4]
+            for c in plan._cache
+        )
+    )
+    if code and same_options:
         # the other ranks passed these options with this plan and skip the check: do not wait
         raise (TypeError if code == 4 else ValueError)(
             f"ring_varlen_attention: {msg} (after earlier calls with this plan passed the "
