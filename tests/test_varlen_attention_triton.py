@@ -268,6 +268,15 @@ _AOT_SCRIPT = textwrap.dedent(
                     res = subprocess.run([CUOBJDUMP, "-res-usage", f.name],
                                          capture_output=True, text=True).stdout
                 stack[f"{kern.fn.__name__} {dt} {dim}"] = int(re.search(r"STACK:(\\d+)", res)[1])
+    from rlhf_kernels.ops.attention_schedule import _schedule_kernel
+    for by_keys in (False, True):
+        const = dict(BY_KEYS=by_keys, HAS_DIFF=True, HAS_LEFT=True, HAS_RIGHT=True,
+                     BLOCK_S=128, BLOCK_B=64)
+        names = list(inspect.signature(_schedule_kernel.fn).parameters)
+        sig = {n: "constexpr" if n in const else "*i32" if n.isupper() else "i32" for n in names}
+        src = triton.compiler.ASTSource(
+            _schedule_kernel, sig, {(names.index(n),): v for n, v in const.items()})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     print("compiled", json.dumps(stack))
     """
 )
@@ -395,7 +404,11 @@ def _blocks_brute(lens_q, lens_k, diff, block, by_keys, left, right):
         ([16, 16, 9], [40, 16, 33], [24, -3, 0], (-1, 0)),  # ring tiles: explicit key offsets
     ],
 )
-def test_flat_schedule_holds_every_block_once_heaviest_first(lens_q, lens_k, diff, window, by_keys):
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_flat_schedule_holds_every_block_once_heaviest_first(
+    lens_q, lens_k, diff, window, by_keys, impl
+):
+    from rlhf_kernels.ops import attention_schedule as sch
     from rlhf_kernels.ops import varlen_attention_triton as vt
 
     lens_k = lens_q if lens_k is None else lens_k
@@ -403,8 +416,9 @@ def test_flat_schedule_holds_every_block_once_heaviest_first(lens_q, lens_k, dif
     dt = None if diff is None else torch.tensor(diff, dtype=torch.int32)
     mask = vt._mask_meta(False, window)
     n = sum(lens_k if by_keys else lens_q)
-    slots = vt._schedule_slots(n, len(lens_q), max(lens_k if by_keys else lens_q), block)
-    table = vt._flat_schedule(_cu(lens_q), _cu(lens_k), dt, block, by_keys, mask, slots)
+    slots = sch.schedule_slots(n, len(lens_q), max(lens_k if by_keys else lens_q), block)
+    build = sch.flat_schedule if impl == "kernel" else sch.flat_schedule_reference
+    table = build(_cu(lens_q), _cu(lens_k), dt, block, by_keys, mask, slots)
     want = _blocks_brute(lens_q, lens_k, diff, block, by_keys, *window)
     assert table.dtype == torch.int32 and table.shape == (slots, 2)
     used = [tuple(r) for r in table.tolist() if r[0] >= 0]
@@ -419,16 +433,53 @@ def test_flat_schedule_holds_every_block_once_heaviest_first(lens_q, lens_k, dif
 
 
 def test_schedule_flat_for_skewed_packs_static_rectangle_for_uniform_ones():
+    from rlhf_kernels.ops import attention_schedule as sch
     from rlhf_kernels.ops import varlen_attention_triton as vt
 
     mask = vt._mask_meta(True, (-1, -1))
     skewed = _cu([1] * 9 + [0, 70, 3])  # 18 flat slots vs a 60-slot rectangle
-    table = vt._schedule(skewed, skewed, None, 16, False, mask, 82, 70)
+    table = sch.schedule(skewed, skewed, None, 16, False, mask, 82, 70)
     assert table.shape == (18, 2) and table[0].tolist() == [10, 4]
     uniform = _cu([40, 33, 47])  # 7 flat slots vs a 9-slot rectangle
-    table = vt._schedule(uniform, uniform, None, 16, False, mask, 120, 47)
-    assert table is vt._schedule(uniform, uniform, None, 16, False, mask, 120, 47)  # cached
+    table = sch.schedule(uniform, uniform, None, 16, False, mask, 120, 47)
+    assert table is sch.schedule(uniform, uniform, None, 16, False, mask, 120, 47)  # cached
     assert table.tolist() == [[b, m] for m in (2, 1, 0) for b in range(3)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flat_schedule_kernel_matches_the_torch_reference(seed):
+    """The one-launch table equals the torch reference row for row (same stable order), on
+    random packs wider than one ``BLOCK_B`` chunk of the kernel's batch loop and with more slots
+    than one ``BLOCK_S`` program, every mask kind and explicit key offsets."""
+    _check_flat_schedule_kernel(seed, "cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_flat_schedule_kernel_matches_the_torch_reference():
+    for seed in range(6):
+        _check_flat_schedule_kernel(seed, "cuda")
+
+
+def _check_flat_schedule_kernel(seed, device):
+    from rlhf_kernels.ops import attention_schedule as sch
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    g = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 150, (1,), generator=g))
+    lens_q = torch.randint(0, 60, (batch,), generator=g)
+    lens_q[torch.rand(batch, generator=g) < 0.2] = 0  # empty sequences
+    lens_k = lens_q + torch.randint(0, 40, (batch,), generator=g) if seed % 2 else lens_q
+    diff = torch.randint(-20, 40, (batch,), generator=g, dtype=torch.int32) if seed >= 4 else None
+    window = [(-1, -1), (-1, 0), (7, 3), (-1, 5), (12, -1), (0, 0)][seed]
+    for by_keys in (False, True):
+        for block in (1, 16):
+            lens = lens_k if by_keys else lens_q
+            slots = sch.schedule_slots(int(lens.sum()), batch, int(lens.max()), block)
+            cu_q, cu_k = (_cu(x.tolist()).to(device) for x in (lens_q, lens_k))
+            d = None if diff is None else diff.to(device)
+            args = (cu_q, cu_k, d, block, by_keys, vt._mask_meta(False, window), slots)
+            want = sch.flat_schedule_reference(*args)
+            assert torch.equal(sch.flat_schedule(*args), want), (by_keys, block)
 
 
 def test_cu_seqlens_rewritten_without_a_version_bump_is_followed():

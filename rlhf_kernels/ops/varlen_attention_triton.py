@@ -5,13 +5,13 @@ k/v ``(total_k, KVH, D)``, ``cu_seqlens_*`` int32 ``(batch + 1,)``, lse ``(H, to
 The semantics are those of ``varlen_attention_reference`` (bottom-right aligned causal mask,
 ``(left, right)`` sliding window, softcap, output 0 and lse ``-inf`` for a query that sees no key).
 
-* Schedule (:func:`_schedule`): each launch walks a table of ``(sequence, block)`` slots; the
-  1-D grid is slots x heads with the heads inner, so every head of the first slot starts first.
-  With skewed lengths the table is flat, one slot per real block, heaviest block first (most
-  keys or queries left visible by the mask), built on the device at every launch and sized by
-  a host-side bound (no ``cu_seqlens`` value is read back). When lengths are close to uniform
-  it is the static ``batch x cdiv(max_len, block)`` rectangle, last block first, cached per
-  shape: no per-call host work.
+* Schedule (:mod:`.attention_schedule`): each launch walks a table of ``(sequence, block)``
+  slots; the 1-D grid is slots x heads with the heads inner, so every head of the first slot
+  starts first. With skewed lengths the table is flat, one slot per real block, heaviest block
+  first (most keys or queries left visible by the mask), built on the device at every launch
+  (one small kernel and a sort) and sized by a host-side bound (no ``cu_seqlens`` value is read
+  back). When lengths are close to uniform it is the static ``batch x cdiv(max_len, block)``
+  rectangle, last block first, cached per shape: no per-call host work.
 * Forward: one launch for the whole pack, grid ``slots * H``. Online softmax in fp32 with exp2
   (scores carried in log2 units); only the key blocks that the causal/window mask leaves visible
   to a query block are visited, so no ``T x T`` matrix exists anywhere.
@@ -41,7 +41,6 @@ exact fp32 products (``input_precision="ieee"``) unless
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -50,6 +49,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from rlhf_kernels._checks import device_guard
+from rlhf_kernels.ops.attention_schedule import schedule as _schedule
+from rlhf_kernels.ops.attention_schedule import schedule_slots as _schedule_slots
 from rlhf_kernels.ops.varlen_attention import fold_lse_grad
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -499,77 +500,6 @@ def _launch(kernel, make, meta, blocks, device, backward=False, tokens=0):
             if bm == 16 and bn == 16 and stages == 1:
                 raise
             bm, bn, stages = max(bm // 2, 16), max(bn // 2, 16), 1
-
-
-# ----------------------------------------------------------------------------- schedule
-def _schedule(cu_q, cu_k, diff, block, by_keys, mask, total, max_len):
-    """The ``(slots, 2)`` int32 ``(sequence, block index)`` table of a launch (``total`` /
-    ``max_len``: tokens and longest sequence on the blocked side; host ints).
-
-    When lengths are close to uniform (the flat bound is over 3/4 of the rectangle) the static
-    rectangle ``(b, m)`` for every sequence and ``m < cdiv(max_len, block)``, last block first,
-    cached per shape (no per-call work; programs past a sequence's end exit at once). Else the
-    data-dependent :func:`_flat_schedule`, where a rectangle would be mostly empty programs."""
-    batch = cu_q.numel() - 1
-    slots = _schedule_slots(total, batch, max_len, block)
-    nblk = triton.cdiv(max_len, block)
-    if 4 * slots > 3 * batch * nblk:
-        return _rectangle(batch, nblk, cu_q.device)
-    return _flat_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots)
-
-
-@functools.lru_cache(maxsize=64)
-def _rectangle(batch: int, nblk: int, device: torch.device) -> torch.Tensor:
-    """``(batch * nblk, 2)`` int32: block ``nblk - 1`` of every sequence, then ``nblk - 2``, ...
-    (causal work grows with the block index, so the heavy ones go first)."""
-    m = torch.arange(nblk - 1, -1, -1, device=device).repeat_interleave(batch)
-    b = torch.arange(batch, device=device).repeat(nblk)
-    return torch.stack([b, m], 1).to(torch.int32)
-
-
-def _schedule_slots(total: int, batch: int, max_len: int, block: int) -> int:
-    """Upper bound on the blocks of a pack, known on the host without reading ``cu_seqlens``:
-    ``sum(cdiv(len, block)) <= cdiv(total, block) + batch``, and never more than the rectangular
-    ``batch * cdiv(max_len, block)`` grid."""
-    return min(triton.cdiv(total, block) + batch, batch * triton.cdiv(max_len, block))
-
-
-def _flat_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
-    """Flat schedule ``(slots, 2)`` int32 of ``(sequence, block index)``, heaviest block first.
-
-    One entry per ``block``-row block of every sequence (query blocks, or key blocks when
-    ``by_keys``), ordered by the number of partner rows the mask leaves visible to it (the work
-    of its programs), descending: with skewed lengths no program is empty and the long ones start
-    first. Slots past the last block hold ``(-1, 0)``. Built on the device at every launch (a
-    few small ops, no host sync): ``cu_seqlens`` may be rewritten between calls in ways that do
-    not bump a tensor's version (collectives, ``.data``, DLPack), so tables are not cached.
-    ``mask`` is ``_mask_meta``'s ``(left, right, has_left, has_right)``.
-    """
-    left, right, has_left, has_right = mask
-    lq, lk = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
-    batch = lq.numel()
-    nblk = ((lk if by_keys else lq) + block - 1) // block
-    ends = nblk.cumsum(0)
-    slot = torch.arange(slots, device=cu_q.device)
-    b = torch.searchsorted(ends, slot, right=True)  # == batch past the last block
-    used = b < batch
-    b = b.clamp(max=batch - 1)
-    blk = slot - (ends - nblk)[b]
-    lq, lk = lq[b], lk[b]
-    d = (lk - lq) if diff is None else diff.long()[b]
-    first = blk * block
-    last = torch.minimum(first + block, lk if by_keys else lq) - 1
-    # visible partners: key j sees query i  <=>  i + d - left <= j <= i + d + right
-    if by_keys:
-        lo = (first - d - right).clamp(min=0) if has_right else torch.zeros_like(first)
-        hi = torch.minimum(last - d + left + 1, lq) if has_left else lq
-    else:
-        lo = (first + d - left).clamp(min=0) if has_left else torch.zeros_like(first)
-        hi = torch.minimum(last + d + right + 1, lk) if has_right else lk
-    work = torch.where(used, (hi - lo).clamp(min=0), -1)
-    order = torch.argsort(work, descending=True, stable=True)
-    table = torch.stack([torch.where(used, b, -1), torch.where(used, blk, 0)], 1)
-    return table[order].to(torch.int32).contiguous()
 
 
 def _gqa_split(slots: int, kv_heads: int, group: int, device: torch.device) -> int:

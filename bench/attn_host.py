@@ -1,0 +1,144 @@
+"""Host time of a packed attention call on CUDA: where small packs stop being kernel-bound.
+
+For causal bf16 packs of uneven documents (``gpu_check``'s lengths; 2048 = heads x head_dim),
+times ``varlen_attention(backend="triton")`` with the flat schedule built by its one-launch
+kernel (``schedule=kernel``, the default) and by the torch reference of before
+(``schedule=torch``), next to ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels
+inside torch) when present. Per row: ``do_bench`` median ms of the forward and of
+forward+backward, and the host time per call (``--calls`` calls enqueued back to back after a
+sync, before the closing sync): when host >= median the call is host-bound.
+
+``python bench/attn_host.py [--totals 8192 32768] [--out-dir DIR]`` writes
+``attn-host-<gpu>-<date>-<HHMMSS>.json`` there (hardware, versions, commit from
+``$RLHF_KERNELS_COMMIT``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_check import _cumsum, _lengths  # noqa: E402
+from rlhf_kernels.ops import attention_schedule  # noqa: E402
+from rlhf_kernels.ops.varlen_attention import varlen_attention  # noqa: E402
+
+
+def _host_ms(fn, calls):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) * 1e3 / calls
+    torch.cuda.synchronize()
+    return host
+
+
+def _rows(total, dim, calls):
+    from triton.testing import do_bench
+
+    heads = 2048 // dim
+    lengths = _lengths(total, total // 16, total // 4, seed=total + dim)
+    cu = torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device="cuda")
+    n = max(lengths)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(4)
+    )
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    methods = {
+        "ours schedule=kernel": (attention_schedule.flat_schedule, "triton"),
+        "ours schedule=torch": (attention_schedule.flat_schedule_reference, "triton"),
+    }
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
+        methods["torch varlen_attn"] = (None, "torch_varlen")
+    except ImportError:
+        pass
+    built = attention_schedule.flat_schedule
+    for name, (schedule, kind) in methods.items():
+        if kind == "triton":
+            attention_schedule.flat_schedule = schedule
+
+            def fwd(a=q, b=k, c=v):
+                return varlen_attention(a, b, c, cu, cu, n, n, causal=True, backend="triton")
+        else:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+
+            params = inspect.signature(varlen_attn).parameters
+            kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+
+            def fwd(a=q, b=k, c=v, kw=kw):
+                return varlen_attn(a, b, c, cu, cu, n, n, **kw)
+
+        def step():
+            for x in leaves:
+                x.grad = None
+            fwd(*leaves).backward(do)
+
+        try:
+            step()
+            row = dict(total=total, dim=dim, heads=heads, docs=len(lengths), method=name)
+            row["fwd_ms"] = float(do_bench(fwd, return_mode="median"))
+            row["fwd_host_ms"] = _host_ms(fwd, calls)
+            row["fwd_bwd_ms"] = float(do_bench(step, return_mode="median"))
+            row["fwd_bwd_host_ms"] = _host_ms(step, calls)
+        except Exception as e:  # report and go on
+            row = dict(total=total, dim=dim, method=name, error=repr(e)[:300])
+        finally:
+            attention_schedule.flat_schedule = built
+        print(json.dumps(row), flush=True)
+        yield row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--totals", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--calls", type=int, default=20, help="calls enqueued per host timing")
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("attn_host.py needs a CUDA device")
+    import triton
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    gpu = torch.cuda.get_device_name()
+    report = dict(
+        gpu=gpu, date=now.isoformat(timespec="seconds"), torch=torch.__version__,
+        triton=triton.__version__, commit=os.environ.get("RLHF_KERNELS_COMMIT", "unknown"),
+        rows=[],
+    )  # fmt: skip
+    for total in args.totals:
+        for dim in args.dims:
+            report["rows"].extend(_rows(total, dim, args.calls))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
+    path = args.out_dir / f"attn-host-{slug}-{now:%Y-%m-%d-%H%M%S}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{'pack':>10} {'method':>22} {'fwd ms':>8} {'host':>7} {'fwd+bwd':>8} {'host':>7}")
+    for r in report["rows"]:
+        if "error" in r:
+            print(f"{r['total']:>6} d{r['dim']:<3} {r['method']:>22} error {r['error']}")
+            continue
+        print(
+            f"{r['total']:>6} d{r['dim']:<3} {r['method']:>22} {r['fwd_ms']:8.3f} "
+            f"{r['fwd_host_ms']:7.3f} {r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_host_ms']:7.3f}"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
