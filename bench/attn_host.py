@@ -2,15 +2,16 @@
 
 For causal bf16 packs of uneven documents (``gpu_check``'s lengths; 2048 = heads x head_dim),
 times ``varlen_attention(backend="triton")`` with the flat schedule built by its one-launch
-kernel (``schedule=kernel``, the default) and by the torch reference of before
-(``schedule=torch``), next to ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels
-inside torch) when present. Per row: ``do_bench`` median ms of the forward and of
-forward+backward, and the host time per call (``--calls`` calls enqueued back to back after a
-sync, before the closing sync): when host >= median the call is host-bound.
+kernel (``kernel``, the default) and by the torch reference of before (``torch``), with
+``RLHF_KERNELS_AUTOTUNE=1`` (``autotuned``: the row records the blocks it kept per kernel), next
+to ``torch.nn.attention.varlen.varlen_attn`` (``varlen_attn``: FlashAttention kernels inside
+torch) when present. Per row: ``do_bench`` median ms of the forward and of forward+backward, and
+the host time per call (``--calls`` calls enqueued back to back after a sync, before the
+closing sync): when host >= median the call is host-bound.
 
-``python bench/attn_host.py [--totals 8192 32768] [--out-dir DIR]`` writes
-``attn-host-<gpu>-<date>-<HHMMSS>.json`` there (hardware, versions, commit from
-``$RLHF_KERNELS_COMMIT``) and prints a table.
+``python bench/attn_host.py [--totals 8192 32768] [--methods kernel varlen_attn]
+[--out-dir DIR]`` writes ``attn-host-<gpu>-<date>-<HHMMSS>.json`` there (hardware, versions,
+commit from ``$RLHF_KERNELS_COMMIT``) and prints a table.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import _cumsum, _lengths  # noqa: E402
 from rlhf_kernels.ops import attention_schedule  # noqa: E402
+from rlhf_kernels.ops import varlen_attention_triton as vt  # noqa: E402
 from rlhf_kernels.ops.varlen_attention import varlen_attention  # noqa: E402
 
 
@@ -42,7 +45,20 @@ def _host_ms(fn, calls):
     return host
 
 
-def _rows(total, dim, calls):
+METHODS = ("kernel", "torch", "autotuned", "varlen_attn")
+
+
+def _picks(total, dim):
+    """The blocks autotuning kept for this pack size and head dim, per kernel."""
+    size, block_d = triton.next_power_of_2(total), vt._block_d(dim)
+    return {
+        key[0]: list(blocks)
+        for key, blocks in vt._FITTING_BLOCKS.items()
+        if key[-1] == size and dict(key[3]).get("BLOCK_D") == block_d
+    }
+
+
+def _rows(total, dim, calls, wanted):
     from triton.testing import do_bench
 
     heads = 2048 // dim
@@ -55,27 +71,24 @@ def _rows(total, dim, calls):
         for _ in range(4)
     )
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    methods = {
-        "ours schedule=kernel": (attention_schedule.flat_schedule, "triton"),
-        "ours schedule=torch": (attention_schedule.flat_schedule_reference, "triton"),
-    }
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-
-        methods["torch varlen_attn"] = (None, "torch_varlen")
-    except ImportError:
-        pass
     built = attention_schedule.flat_schedule
-    for name, (schedule, kind) in methods.items():
-        if kind == "triton":
-            attention_schedule.flat_schedule = schedule
+    for name in wanted:
+        if name != "varlen_attn":
+            use_torch = name == "torch"
+            attention_schedule.flat_schedule = (
+                attention_schedule.flat_schedule_reference if use_torch else built
+            )
+            os.environ["RLHF_KERNELS_AUTOTUNE"] = "1" if name == "autotuned" else "0"
 
             def fwd(a=q, b=k, c=v):
                 return varlen_attention(a, b, c, cu, cu, n, n, causal=True, backend="triton")
         else:
             import inspect
 
-            from torch.nn.attention.varlen import varlen_attn
+            try:
+                from torch.nn.attention.varlen import varlen_attn
+            except ImportError:
+                continue
 
             params = inspect.signature(varlen_attn).parameters
             kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
@@ -95,10 +108,13 @@ def _rows(total, dim, calls):
             row["fwd_host_ms"] = _host_ms(fwd, calls)
             row["fwd_bwd_ms"] = float(do_bench(step, return_mode="median"))
             row["fwd_bwd_host_ms"] = _host_ms(step, calls)
+            if name == "autotuned":
+                row["picks"] = _picks(total, dim)
         except Exception as e:  # report and go on
             row = dict(total=total, dim=dim, method=name, error=repr(e)[:300])
         finally:
             attention_schedule.flat_schedule = built
+            os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
         print(json.dumps(row), flush=True)
         yield row
 
@@ -107,12 +123,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--totals", type=int, nargs="*", default=[8192, 32768])
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--calls", type=int, default=20, help="calls enqueued per host timing")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attn_host.py needs a CUDA device")
-    import triton
 
     now = datetime.datetime.now(datetime.timezone.utc)
     gpu = torch.cuda.get_device_name()
@@ -123,7 +139,7 @@ def main(argv=None):
     )  # fmt: skip
     for total in args.totals:
         for dim in args.dims:
-            report["rows"].extend(_rows(total, dim, args.calls))
+            report["rows"].extend(_rows(total, dim, args.calls, args.methods))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
     path = args.out_dir / f"attn-host-{slug}-{now:%Y-%m-%d-%H%M%S}.json"
@@ -136,6 +152,7 @@ def main(argv=None):
         print(
             f"{r['total']:>6} d{r['dim']:<3} {r['method']:>22} {r['fwd_ms']:8.3f} "
             f"{r['fwd_host_ms']:7.3f} {r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_host_ms']:7.3f}"
+            + (f"  picks {r['picks']}" if "picks" in r else "")
         )
     print(f"wrote {path}")
 
