@@ -246,7 +246,8 @@ _AOT_SCRIPT = textwrap.dedent(
     for dt, dim in (("fp16", 128), ("bf16", 64), ("bf16", 128), ("fp32", 256)):
         for kern in (m._fwd_kernel, m._bwd_dkdv_kernel, m._bwd_dq_kernel, m._bwd_delta_kernel):
             names = list(inspect.signature(kern.fn).parameters)
-            bm, bn, warps, stages = m._block_sizes(dim, DTYPES[dt], kern is not m._fwd_kernel)
+            kind = {"_fwd_kernel": "fwd", "_bwd_dkdv_kernel": "dkdv"}.get(kern.fn.__name__, "dq")
+            bm, bn, warps, stages = m._block_sizes(dim, DTYPES[dt], kind)
             const = dict(GROUP=2, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, BLOCK_M=bm,
                          BLOCK_N=bn, BLOCK_D=dim, BLOCK_T=64, HAS_DIFF=dt != "fp16", SPLIT=1,
                          **m._dot_meta(DTYPES[dt]))
@@ -641,5 +642,6 @@ def test_cuda_autotune_keeps_a_candidate_and_stays_exact(monkeypatch):
     tuned = {k[0]: v for k, v in vt._FITTING_BLOCKS.items() if k[-1]}
     assert set(tuned) == {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
     for name, blocks in tuned.items():
-        default = vt._block_sizes(128, torch.bfloat16, backward=name != "_fwd_kernel")
+        kind = {"_fwd_kernel": "fwd", "_bwd_dkdv_kernel": "dkdv", "_bwd_dq_kernel": "dq"}[name]
+        default = vt._block_sizes(128, torch.bfloat16, kind, 3561)
         assert blocks in vt._candidates(default, backward=name != "_fwd_kernel")

@@ -30,9 +30,11 @@ next_pow2(D))`` with masked loads. Under ``TRITON_INTERPRET=1`` every block is 1
 ``tl.dot`` tile) so the CPU interpreter stays fast. On CUDA the defaults come from a sweep on an
 H100 (``bench/attn_sweep.py``, 32k-token causal bf16 packs; results in ``bench/results``):
 forward ``128 x 64`` (8 warps, 3 stages) at ``BLOCK_D = 64``, ``128 x 128`` at 128; backward
-``64 x 64`` with 4 warps (3 stages at 64, 2 at 128); halved for fp32 inputs at ``BLOCK_D >= 128``
-and above 128 (the shared memory per tile doubles). A launch that runs out of shared memory
-(smaller GPUs) is retried with halved blocks, and the blocks that fit are remembered.
+``64 x 64`` with 4 warps (3 stages at 64, 2 at 128), except fp16/bf16 at ``BLOCK_D = 64``: dQ
+and, from 64k tokens, dK/dV at ``128 x 128`` with 8 warps (autotuning's picks there); halved for
+fp32 inputs at ``BLOCK_D >= 128`` and above 128 (the shared memory per tile doubles). A launch
+that runs out of shared memory (smaller GPUs) is retried with halved blocks, and the blocks that
+fit are remembered.
 
 Precision: fp16/bf16 dots multiply in the input dtype with fp32 accumulation. fp32 inputs use
 exact fp32 products (``input_precision="ieee"``) unless
@@ -390,18 +392,28 @@ def _bwd_dq_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
-def _block_sizes(head_dim: int, dtype: torch.dtype, backward: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a padded head dim (rule in the module
-    docstring). Untuned starting points for Hopper/Ampere; the interpreter always gets 16 x 16."""
+def _block_sizes(
+    head_dim: int, dtype: torch.dtype, kernel: str, tokens: int = 0
+) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` (``"fwd"``, ``"dkdv"`` or
+    ``"dq"``) for a padded head dim and a pack of ``tokens`` (rule in the module docstring).
+    Starting points for Hopper/Ampere; the interpreter always gets 16 x 16."""
+    if kernel not in ("fwd", "dkdv", "dq"):
+        raise ValueError(f"kernel must be 'fwd', 'dkdv' or 'dq', got {kernel!r}")
     if _interpreting():
         return 16, 16, 1, 1
     block_d = _block_d(head_dim)
-    if not backward:
+    if kernel == "fwd":
         bm, bn, warps, stages = (128, 64, 8, 3) if block_d <= 64 else (128, 128, 8, 3)
         if block_d > 128:
             bm, bn, warps, stages = 64, 32, 8, 2
     else:
         bm, bn, warps, stages = (64, 64, 4, 3) if block_d <= 64 else (64, 64, 4, 2)
+        # autotuning's picks on an H100 at head_dim 64 (bench/results/attn-host-*): 128 x 128
+        # for dQ from 32k tokens, for dK/dV at 128k (fwd+bwd 150 ms instead of 198 there)
+        half = dtype in (torch.float16, torch.bfloat16)
+        if half and block_d <= 64 and (kernel == "dq" or tokens >= 1 << 16):
+            bm, bn, warps, stages = 128, 128, 8, 3
         if block_d > 128:
             bm, bn, warps, stages = 32, 32, 4, 2
     if dtype == torch.float32 and block_d >= 128:
@@ -579,7 +591,7 @@ def varlen_attention_triton_forward(
         return (slots * heads,), args
 
     meta = _kernel_meta(q, k, mask, softcap, diff)
-    blocks = _block_sizes(dim, q.dtype, backward=False)
+    blocks = _block_sizes(dim, q.dtype, "fwd", total_q)
     _launch(_fwd_kernel, make, meta, blocks, q.device, tokens=total_q)
     return out, lse
 
@@ -662,9 +674,10 @@ def _backward_kernels(
     left, right = mask[:2]
     cu_diff = cu_seqlens_q if diff is None else diff
     meta = _kernel_meta(q, k, mask, softcap, diff)
-    blocks = _block_sizes(dim, q.dtype, backward=True)
+    blocks_kv = _block_sizes(dim, q.dtype, "dkdv", total_k)
+    blocks_q = _block_sizes(dim, q.dtype, "dq", total_q)
     split = gqa_split or _gqa_split(
-        _schedule_slots(total_k, batch, max_seqlen_k, blocks[1]), kv_heads, group, q.device
+        _schedule_slots(total_k, batch, max_seqlen_k, blocks_kv[1]), kv_heads, group, q.device
     )
     if not (isinstance(split, int) and split >= 1 and group % split == 0):
         raise ValueError(
@@ -695,11 +708,12 @@ def _backward_kernels(
         )  # fmt: skip
         return (slots * heads,), args
 
-    _launch(_bwd_dkdv_kernel, make_dkdv, dict(meta, SPLIT=split), blocks, q.device, True, total_k)
+    meta_kv = dict(meta, SPLIT=split)
+    _launch(_bwd_dkdv_kernel, make_dkdv, meta_kv, blocks_kv, q.device, True, total_k)
     if split > 1:
         dk.copy_(gk.sum(0))
         dv.copy_(gv.sum(0))
-    _launch(_bwd_dq_kernel, make_dq, meta, blocks, q.device, True, total_q)
+    _launch(_bwd_dq_kernel, make_dq, meta, blocks_q, q.device, True, total_q)
     # every token of dq/dk/dv is written: the schedules hold every block of every sequence
     return dq, dk, dv
 
