@@ -396,3 +396,45 @@ def test_none_unsets_optional_choices_and_yaml_text(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--ref-zero-stage {0,3,none}" in out
     assert "(must differ from --split) (default: None); 'none' unsets it" in out
+
+
+def test_commit_folder_flushes_before_the_rename_and_keeps_a_whole_copy(tmp_path, monkeypatch):
+    """Checkpoints and exported models are committed by ``commit_folder``: every file and folder
+    is fsynced before the rename (then the parent after it), and a re-save whose commit rename
+    fails leaves the previous folder in place, whole."""
+    from trainers import checkpoint
+
+    final, tmp = tmp_path / "step-000002", tmp_path / ".tmp-step-000002"
+    (tmp / "engine").mkdir(parents=True)
+    (tmp / "engine" / "w.pt").write_bytes(b"new")
+    (tmp / "trainer_state.json").write_text("{}")
+    events, real_replace, real_fsync = [], os.replace, os.fsync
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(a))),
+                                                     real_replace(a, b)))  # fmt: skip
+    checkpoint.commit_folder(tmp, final)
+    flushed = {p for kind, p in events if kind == "fsync"}
+    assert {str(tmp / "engine" / "w.pt"), str(tmp / "trainer_state.json"), str(tmp)} <= flushed
+    rename = events.index(("rename", str(tmp)))
+    assert all(kind == "fsync" for kind, _ in events[:rename])  # all flushed before the commit
+    assert events[rename + 1] == ("fsync", str(tmp_path))  # then the rename itself
+    assert (final / "engine" / "w.pt").read_bytes() == b"new" and not tmp.exists()
+
+    (tmp / "engine").mkdir(parents=True)  # a re-save whose commit rename fails
+    (tmp / "engine" / "w.pt").write_bytes(b"newer")
+
+    def fail_second(a, b):
+        if str(a) == str(tmp):
+            raise OSError(28, "No space left on device")
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", fail_second)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.commit_folder(tmp, final)
+    assert (final / "engine" / "w.pt").read_bytes() == b"new"  # the previous copy, back
+    assert (tmp / "engine" / "w.pt").read_bytes() == b"newer"

@@ -113,16 +113,42 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
     _barrier()  # every rank's files are on disk
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-        if final.exists():  # a re-save of the same step (a resumed run): replace it, the old
-            old = root / f".old-step-{step:06d}"  # one out of the way first (a crash between
-            shutil.rmtree(old, ignore_errors=True)  # the two renames keeps one of them whole)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        commit_folder(tmp, final)  # a re-save of the same step (a resumed run) replaces it
     _barrier()
     return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_folder(tmp: Path, final: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``final``, durably: every file and folder under
+    ``tmp`` is flushed to disk first (a power loss after the rename cannot leave a committed
+    folder of empty files), then the rename and its parent folder. An existing ``final`` is
+    moved to ``.old-<name>`` first and deleted last: a crash at any point leaves a whole copy,
+    and a failed rename puts the old one back."""
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+    old = final.with_name(f".old-{final.name}")
+    moved = final.exists()
+    if moved:
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if moved:
+            os.replace(old, final)
+        raise
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 _FLAG = {  # a layout key -> what the user sets

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from trainers.checkpoint import commit_folder
 from trainers.distributed import Layout
 
 
@@ -253,7 +254,7 @@ def save_hf_model(
     extra_config: dict | None = None,
 ) -> Path:
     """Rank 0: ``save_pretrained`` of the wrapped HF model from a gathered state dict, atomically
-    (written next to ``path``, then renamed over it)."""
+    and durably (written and flushed next to ``path``, then renamed over it)."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -262,7 +263,5 @@ def save_hf_model(
         setattr(model.config, key, value)
     model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    commit_folder(tmp, path)  # an earlier export stays whole until the new one is in place
     return path
