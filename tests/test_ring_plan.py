@@ -292,6 +292,23 @@ def test_shard_of_a_pads_only_rank_stays_differentiable(monkeypatch, sliced, cu)
     torch.testing.assert_close(x.grad, torch.ones_like(x))
 
 
+@pytest.mark.parametrize("sliced", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16])
+def test_shard_of_dtypes_without_index_fill(monkeypatch, sliced, dtype):
+    """float8 (and uint16) tensors shard on both paths, with zero pad slots, and round-trip
+    (before: the index path's ``index_fill`` of the pads raised NotImplementedError, so
+    ``scatter_for_ring`` could not send a float8 key of a many-sample micro-batch)."""
+    monkeypatch.setattr(RingPlan, "_sliced", lambda self, num_runs: sliced)
+    plan = RingPlan.build(_cu([3, 7, 1, 2, 9]), 4)  # 22 tokens: pad slots on some ranks
+    x = (torch.arange(1, plan.total * 2 + 1).reshape(plan.total, 2) % 7 + 1).to(dtype)
+    want = [plan.shard(x.float(), r) for r in range(4)]
+    assert any((w == 0).all(1).any() for w in want)  # some pads
+    shards = [plan.shard(x, r) for r in range(4)]
+    for got, w in zip(shards, want):
+        assert got.dtype == dtype and torch.equal(got.float(), w)
+    assert torch.equal(plan.unshard(shards).float(), x.float())
+
+
 def test_bad_input():
     with pytest.raises(TypeError, match=r"must hold ints, got \[2.7, 5.9\]"):
         RingPlan.build([0, 2.7, 5.9], 2)  # was truncated to (0, 2, 5)

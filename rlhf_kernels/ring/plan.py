@@ -335,7 +335,7 @@ class RingPlan:
         out = x.index_select(0, idx)
         pad_slots = self._pad_slots(rank)
         if pad_slots.numel():
-            out = out.index_fill(0, pad_slots.to(x.device), fill)
+            out = _index_fill(out, pad_slots.to(x.device), fill)
         return out
 
     def _gather_index(self, rank: int) -> torch.Tensor:
@@ -503,3 +503,15 @@ def _sum_max0(a: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """``sum_{i < n} max(a + i, 0)`` elementwise."""
     m = (-a).clamp(min=0).minimum(n)  # negative terms
     return (n - m) * a + (n * (n - 1) - m * (m - 1)) // 2
+
+
+def _index_fill(x: torch.Tensor, slots: torch.Tensor, fill) -> torch.Tensor:
+    """``x.index_fill(0, slots, fill)``; for dtypes without it (float8) and ``fill == 0``, the
+    same on the integer view of x's bits (zero bits are 0.0 in every float format)."""
+    try:
+        return x.index_fill(0, slots, fill)
+    except (NotImplementedError, RuntimeError):
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        if fill != 0 or x.requires_grad or x.element_size() not in bits:
+            raise
+        return x.view(bits[x.element_size()]).index_fill(0, slots, 0).view(x.dtype)
