@@ -72,6 +72,7 @@ def _rows(total, dim, calls, wanted):
     )
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     built = attention_schedule.flat_schedule
+    tune = os.environ.get("RLHF_KERNELS_AUTOTUNE")
     for name in wanted:
         if name != "varlen_attn":
             use_torch = name == "torch"
@@ -115,6 +116,8 @@ def _rows(total, dim, calls, wanted):
         finally:
             attention_schedule.flat_schedule = built
             os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
+            if tune is not None:
+                os.environ["RLHF_KERNELS_AUTOTUNE"] = tune
         print(json.dumps(row), flush=True)
         yield row
 

@@ -438,3 +438,20 @@ def test_commit_folder_flushes_before_the_rename_and_keeps_a_whole_copy(tmp_path
         checkpoint.commit_folder(tmp, final)
     assert (final / "engine" / "w.pt").read_bytes() == b"new"  # the previous copy, back
     assert (tmp / "engine" / "w.pt").read_bytes() == b"newer"
+
+
+def test_resume_finds_a_checkpoint_set_aside_by_a_crashed_re_save(tmp_path):
+    """A re-save of step N moves the committed step-N to .old-step-N before its own rename: a
+    crash between the two left the only whole copy there, which --resume ignored (it fell back
+    to an older step, or started fresh)."""
+    from trainers.checkpoint import checkpoint_root, latest_checkpoint
+
+    root = checkpoint_root(tmp_path)
+    for name in ("step-000002", ".old-step-000004", ".tmp-step-000004", ".old-step-000001"):
+        (root / name).mkdir(parents=True)
+        (root / name / "trainer_state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == ".old-step-000004"
+    (root / "step-000004").mkdir()  # the re-save's rename happened, its state not complete
+    assert latest_checkpoint(tmp_path).name == ".old-step-000004"
+    (root / "step-000004" / "trainer_state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == "step-000004"  # the committed one wins

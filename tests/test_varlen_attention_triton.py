@@ -269,6 +269,18 @@ _AOT_SCRIPT = textwrap.dedent(
                     res = subprocess.run([CUOBJDUMP, "-res-usage", f.name],
                                          capture_output=True, text=True).stdout
                 stack[f"{kern.fn.__name__} {dt} {dim}"] = int(re.search(r"STACK:(\\d+)", res)[1])
+    # head_dim 64 dK/dV of a large pack: its own (128 x 128, 8 warps) default blocks
+    kern, names = m._bwd_dkdv_kernel, list(inspect.signature(m._bwd_dkdv_kernel.fn).parameters)
+    bm, bn, warps, stages = m._block_sizes(64, torch.bfloat16, "dkdv", 1 << 17)
+    const = dict(GROUP=2, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_D=64, HAS_DIFF=True, SPLIT=1, **m._dot_meta(torch.bfloat16))
+    sig = {n: ("constexpr" if n in const else "*bf16" if n in DATA else "*fp32"
+               if n in ("LSE", "DELTA") else "*i32" if n.startswith("CU_") or n in ("DIFF", "SCHED")
+               else "fp32" if n in ("scale", "softcap") else "i32") for n in names}
+    k = triton.compile(triton.compiler.ASTSource(kern, sig, {(names.index(n),): v
+                       for n, v in const.items()}), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    assert k.metadata.shared <= 227 * 1024, ("dkdv bf16 64 large", k.metadata.shared)
     from rlhf_kernels.ops.attention_schedule import _schedule_kernel
     for by_keys in (False, True):
         const = dict(BY_KEYS=by_keys, HAS_DIFF=True, HAS_LEFT=True, HAS_RIGHT=True,
@@ -481,6 +493,29 @@ def _check_flat_schedule_kernel(seed, device):
             args = (cu_q, cu_k, d, block, by_keys, vt._mask_meta(False, window), slots)
             want = sch.flat_schedule_reference(*args)
             assert torch.equal(sch.flat_schedule(*args), want), (by_keys, block)
+
+
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 0), (2**31 - 40, 3)])
+def test_window_sides_past_int32_token_math_are_unbounded(window):
+    """Window sides near 2**31 wrapped in the kernels' int32 index math (out 2.6 off the
+    reference at (0, 2**31 - 1)) and reordered the schedule; they hide nothing, so they now
+    run as unbounded sides."""
+    g = torch.Generator().manual_seed(0)
+    cu = _cu([40, 20])
+    q, k, v = (torch.randn(60, 2, 16, generator=g, requires_grad=True) for _ in range(3))
+    out = varlen_attention(q, k, v, cu, cu, window_size=window, backend="triton")
+    want = varlen_attention(q, k, v, cu, cu, window_size=window, backend="torch")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_triton_refuses_sequences_past_its_window_cap():
+    q = torch.zeros(4, 1, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="shorter than 2\\*\\*30 tokens"):
+        triton_varlen_attention(q, q, q, cu, cu, 2**30, 4, 0.25, False, (-1, -1), 0.0)
 
 
 def test_cu_seqlens_rewritten_without_a_version_bump_is_followed():

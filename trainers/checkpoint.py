@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+# step-N, or .old-step-N: a committed folder set aside by a re-save of step N (commit_folder)
+_STEP_DIR = re.compile(r"^(\.old-)?step-(\d+)$")
 _TAG = "engine"
 
 
@@ -33,13 +34,17 @@ def checkpoint_root(output_dir: str | os.PathLike) -> Path:
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest committed ``step-N`` folder, or None."""
+    """The newest committed ``step-N`` folder, or None. A re-save of step N that crashed between
+    its two renames left its previous copy as ``.old-step-N`` only: that one is taken then."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
-    found = [(s, p) for s, p in found if (p / "trainer_state.json").is_file()]
-    return max(found)[1] if found else None
+    found = [
+        (int(m.group(2)), m.group(1) is None, p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.json").is_file()
+    ]
+    return max(found)[2] if found else None
 
 
 def read_state(path: Path) -> dict:
@@ -105,6 +110,9 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
     if rank == 0:
         for stale in root.glob(".tmp-step-*") if root.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save
+        for old in root.glob(".old-step-*") if root.is_dir() else []:
+            if (root / old.name[len(".old-") :] / "trainer_state.json").is_file():
+                shutil.rmtree(old, ignore_errors=True)  # replaced: its re-save committed
         tmp.mkdir(parents=True)
     _barrier()
     for tag, engine in engines.items():
@@ -130,8 +138,8 @@ def commit_folder(tmp: Path, final: Path) -> None:
     """Rename the complete folder ``tmp`` to ``final``, durably: every file and folder under
     ``tmp`` is flushed to disk first (a power loss after the rename cannot leave a committed
     folder of empty files), then the rename and its parent folder. An existing ``final`` is
-    moved to ``.old-<name>`` first and deleted last: a crash at any point leaves a whole copy,
-    and a failed rename puts the old one back."""
+    moved to ``.old-<name>`` first and deleted last: a crash at any point leaves a whole copy
+    (:func:`latest_checkpoint` finds ``.old-step-N``), and a failed rename puts the old one back."""
     for folder, _, files in os.walk(tmp):
         for name in files:
             _fsync(Path(folder) / name)

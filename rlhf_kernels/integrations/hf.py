@@ -406,7 +406,12 @@ def rlhf_attention_forward(
                 f"packed-row segment numbers must be (batch, S) = ({bsz}, {s_q}) with as many "
                 f"keys as queries, got shape {tuple(segments.shape)} and {s_k} keys"
             )
-        cu, longest = _segments_from_position_ids(segments, _first_layer(module), step=0)
+        if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
+            from rlhf_kernels.ops.compiled import segments_from_position_ids
+
+            cu, longest = segments_from_position_ids(segments, step=0), None
+        else:
+            cu, longest = _segments_from_position_ids(segments, _first_layer(module), step=0)
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
     else:  # one sequence per row
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
@@ -535,10 +540,12 @@ def padding_mask(
     The causal / sliding-window / packed structure is applied by the attention function, so no
     dense 4-D mask is ever built. Packed rows (transformers found several samples in a row from
     ``position_ids``) give their int32 segment numbers ``(B, S)`` instead of None, for layers that
-    do not pass ``position_ids`` on to the attention function (Persimmon, GPTBigCode); not inside
-    a torch.compile trace, where the mask function cannot be read (such a layer would attend
-    across samples there). Anything else raises: models whose modeling module does not call
-    transformers' ``AttentionInterface`` (Bloom, CodeGen and others: they would get no causal
+    do not pass ``position_ids`` on to the attention function (Persimmon, GPTBigCode). Inside a
+    torch.compile trace the mask function's closures cannot be read: when transformers says rows
+    may be packed (``allow_is_causal_skip=False`` without a mask), the segments are read off the
+    mask function by evaluating it (:func:`_probed_segments`).
+    Anything else raises: models whose modeling module does not call transformers'
+    ``AttentionInterface`` (Bloom, CodeGen and others: they would get no causal
     mask), custom overlays
     (``or_mask_function``/``and_mask_function``, flagged ``use_vmap``), mask functions built
     from parts other than transformers' causal, bidirectional, sliding-window and packed-sequence
@@ -579,7 +586,13 @@ def padding_mask(
             f"attn_implementation='sdpa'"
         )
     if attention_mask is None:
-        return None if compiling else _packed_segments(mask_function)
+        if not compiling:
+            return _packed_segments(mask_function)
+        # transformers turns the causal skip off when rows may be packed
+        maybe_packed = causal and kwargs.get("allow_is_causal_skip") is False
+        if not maybe_packed or q_length != kv_length or mask_function is None:
+            return None
+        return _probed_segments(mask_function, batch_size, q_length, q_offset, kwargs.get("device"))
     mask = attention_mask[:, -kv_length:].bool()
     if torch.compiler.is_compiling():  # no data-dependent shortcut while tracing
         return mask
@@ -608,6 +621,19 @@ _KNOWN_MASK_PARTS = {
 
 
 _PACKED_PART = "transformers.masking_utils.packed_sequence_mask_function.<locals>.inner_mask"
+
+
+def _probed_segments(mask_function, batch: int, length: int, offset, device) -> torch.Tensor:
+    """int32 ``(B, S)`` segment numbers read off a causal ``mask_function`` by evaluation (a
+    torch.compile trace cannot look into its closures): a segment starts at token ``i`` where
+    the mask hides key ``i - 1`` from query ``i``. Exact for packed samples; any other mask part
+    that hides the previous token (chunked attention; a 1-token window, where attention is the
+    token itself) is block-diagonal causal too, so the segments reproduce it."""
+    i = torch.arange(1, length, device=device)[None, :] + offset
+    b = torch.arange(batch, device=device)[:, None]
+    seen = mask_function(b, torch.zeros_like(b), i, i - 1).expand(batch, length - 1)
+    starts = torch.cat([torch.zeros_like(b, dtype=torch.int32), (~seen).to(torch.int32)], 1)
+    return starts.cumsum(1, dtype=torch.int32)
 
 
 def _packed_segments(mask_function) -> torch.Tensor | None:

@@ -17,7 +17,8 @@ bad input still raises, before any work.
 - ``rlhf_kernels::varlen_attention_bwd`` -> ``(dq, dk, dv)``: the Triton backward kernels from the
   saved ``out``/``lse`` (and the lse's gradient), or for the other backends a recomputed forward
   under autograd (through the lse too when it was returned).
-- ``rlhf_kernels::segments_from_position_ids`` -> int32 ``cu_seqlens`` (data-dependent length).
+- ``rlhf_kernels::segments_from_position_ids`` -> int32 ``cu_seqlens`` of position ids (or, with
+  ``step=0``, of segment numbers; data-dependent length).
 - ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
   mask (data-dependent lengths).
 - ``rlhf_kernels::linear_logprobs_fwd`` / ``_bwd`` -> the fused lm_head + log-prob blocks
@@ -162,14 +163,14 @@ torch.library.register_autograd(
 
 
 @torch.library.custom_op("rlhf_kernels::segments_from_position_ids", mutates_args=())
-def segments_from_position_ids(position_ids: Tensor) -> Tensor:
+def segments_from_position_ids(position_ids: Tensor, step: int = 1) -> Tensor:
     from rlhf_kernels.integrations.hf import _segments_from_position_ids
 
-    return _segments_from_position_ids(position_ids)[0].clone()
+    return _segments_from_position_ids(position_ids, step=step)[0].clone()
 
 
 @segments_from_position_ids.register_fake
-def _(position_ids):
+def _(position_ids, step=1):
     n = torch.library.get_ctx().new_dynamic_size(min=2)  # samples + 1: data-dependent
     return position_ids.new_empty(n, dtype=torch.int32)
 

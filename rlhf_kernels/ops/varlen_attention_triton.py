@@ -410,9 +410,10 @@ def _block_sizes(
     else:
         bm, bn, warps, stages = (64, 64, 4, 3) if block_d <= 64 else (64, 64, 4, 2)
         # autotuning's picks on an H100 at head_dim 64 (bench/results/attn-host-*): 128 x 128
-        # for dQ from 32k tokens, for dK/dV at 128k (fwd+bwd 150 ms instead of 198 there)
+        # for dQ (at 32k and 128k tokens; used at every size), for dK/dV at 128k (fwd+bwd 150
+        # ms instead of 198 there); narrower heads were not measured and keep 64 x 64
         half = dtype in (torch.float16, torch.bfloat16)
-        if half and block_d <= 64 and (kernel == "dq" or tokens >= 1 << 16):
+        if half and block_d == 64 and (kernel == "dq" or tokens >= 1 << 16):
             bm, bn, warps, stages = 128, 128, 8, 3
         if block_d > 128:
             bm, bn, warps, stages = 32, 32, 4, 2
@@ -527,10 +528,18 @@ def _gqa_split(slots: int, kv_heads: int, group: int, device: torch.device) -> i
     return split
 
 
+# window sides at or past this are unbounded: the kernels add them to int32 token indices, and
+# no sequence reaches it (triton_varlen_attention refuses longer ones)
+_WINDOW_CAP = 1 << 30
+
+
 def _mask_meta(causal: bool, window_size: tuple[int, int]) -> tuple[int, int, bool, bool]:
+    """``(left, right, has_left, has_right)`` of a mask: sides >= 0, -1 (and sides of at least
+    ``_WINDOW_CAP``, which hide nothing) unbounded."""
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         right = 0
+    left, right = (-1 if w >= _WINDOW_CAP else w for w in (left, right))
     return max(left, 0), max(right, 0), left >= 0, right >= 0
 
 
@@ -813,6 +822,11 @@ def triton_varlen_attention(
     """
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"backend='triton' needs fp32/fp16/bf16 tensors, got {q.dtype}")
+    if max(int(max_seqlen_q), int(max_seqlen_k)) >= _WINDOW_CAP:
+        raise ValueError(
+            f"backend='triton' takes sequences shorter than 2**30 tokens, got "
+            f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k}"
+        )
     if not q.is_cuda and not _interpreting():
         raise ValueError(
             f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
