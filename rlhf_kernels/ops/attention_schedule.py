@@ -25,6 +25,11 @@ import triton
 import triton.language as tl
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (``triton.cdiv`` is a JIT function: microseconds per host call)."""
+    return -(-a // b)
+
+
 # fmt: off
 @triton.jit
 def _schedule_kernel(
@@ -100,7 +105,7 @@ def schedule(cu_q, cu_k, diff, block, by_keys, mask, total, max_len):
     data-dependent :func:`flat_schedule`, where a rectangle would be mostly empty programs."""
     batch = cu_q.numel() - 1
     slots = schedule_slots(total, batch, max_len, block)
-    nblk = triton.cdiv(max_len, block)
+    nblk = _cdiv(max_len, block)
     if 4 * slots > 3 * batch * nblk:
         return _rectangle(batch, nblk, cu_q.device)
     return flat_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots)
@@ -119,7 +124,7 @@ def schedule_slots(total: int, batch: int, max_len: int, block: int) -> int:
     """Upper bound on the blocks of a pack, known on the host without reading ``cu_seqlens``:
     ``sum(cdiv(len, block)) <= cdiv(total, block) + batch``, and never more than the rectangular
     ``batch * cdiv(max_len, block)`` grid."""
-    return min(triton.cdiv(total, block) + batch, batch * triton.cdiv(max_len, block))
+    return min(_cdiv(total, block) + batch, batch * _cdiv(max_len, block))
 
 
 def flat_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
@@ -132,7 +137,7 @@ def flat_schedule(cu_q, cu_k, diff, block, by_keys, mask, slots):
     table = torch.empty(slots, 2, dtype=torch.int32, device=cu_q.device)
     work = torch.empty(slots, dtype=torch.int32, device=cu_q.device)
     block_s, block_b = 128, 64
-    _schedule_kernel[(triton.cdiv(slots, block_s),)](
+    _schedule_kernel[(_cdiv(slots, block_s),)](
         cu_q, cu_k, cu_q if diff is None else diff, table, work, batch, slots, block, left, right,
         BY_KEYS=by_keys, HAS_DIFF=diff is not None, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BLOCK_S=block_s, BLOCK_B=block_b,

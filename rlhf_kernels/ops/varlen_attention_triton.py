@@ -51,6 +51,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from rlhf_kernels._checks import device_guard
+from rlhf_kernels.ops.attention_schedule import _cdiv
 from rlhf_kernels.ops.attention_schedule import schedule as _schedule
 from rlhf_kernels.ops.attention_schedule import schedule_slots as _schedule_slots
 from rlhf_kernels.ops.varlen_attention import fold_lse_grad
@@ -423,7 +424,7 @@ def _block_sizes(
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 # (kernel name, device, requested blocks, constexprs) -> blocks that fit in shared memory (or,
@@ -496,7 +497,7 @@ def _launch(kernel, make, meta, blocks, device, backward=False, tokens=0):
     (``tokens``, to the next power of two) picks the fastest candidate instead.
     """
     tune = _autotune_on(device)
-    size = triton.next_power_of_2(max(int(tokens), 1)) if tune else None
+    size = 1 << (max(int(tokens), 1) - 1).bit_length() if tune else None
     key = (kernel.fn.__name__, str(device), blocks, tuple(sorted(meta.items())), size)
     if key not in _FITTING_BLOCKS and tune:
         _FITTING_BLOCKS[key] = _tune(kernel, make, meta, _candidates(blocks, backward))
@@ -649,7 +650,7 @@ def varlen_attention_triton_backward(
         )  # fmt: skip
     delta = torch.empty_like(lse)
     block_t = 16 if _interpreting() else 64
-    _bwd_delta_kernel[(triton.cdiv(total_q, block_t), heads)](
+    _bwd_delta_kernel[(_cdiv(total_q, block_t), heads)](
         out,
         dout,
         delta,
