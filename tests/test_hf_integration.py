@@ -680,3 +680,26 @@ def test_sliding_window_must_be_an_int():
     for bad in (True, 2.5):
         with pytest.raises(TypeError, match="sliding_window must be an int or None"):
             hf.rlhf_attention_forward(torch.nn.Module(), q, q, q, None, 0.0, None, bad)
+
+
+def test_probed_segments_read_packing_off_the_mask_and_refuse_overlays(monkeypatch):
+    """Inside a torch.compile trace the segments come from evaluating transformers' mask
+    function (``_probed_segments``): packed rows and windows give the exact segments; an overlay
+    that shows later keys (image-token blocks) and chunked attention are refused, as eagerly."""
+    from transformers import masking_utils as mu
+
+    packed = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3]])
+    fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(packed))
+    assert torch.equal(hf._probed_segments(fn, 2, 8, 0, "cpu"), packed.int())
+    for window in (1, 2, 5):  # one segment per row, or one per token at window 1: same result
+        got = hf._probed_segments(mu.sliding_window_causal_mask_function(window), 2, 8, 0, "cpu")
+        want = torch.arange(8).expand(2, 8) if window == 1 else torch.zeros(2, 8)
+        assert torch.equal(got, want.int())
+    blocks = torch.tensor([[-1, 0, 0, 0, -1, -1, -1, -1]])  # image tokens 1-3 see each other
+    overlay = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks))
+    with pytest.raises(RuntimeError, match="shows queries later keys"):
+        hf._probed_segments(overlay, 1, 8, 0, "cpu")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    config = transformers.Llama4TextConfig(attention_chunk_size=4)
+    with pytest.raises(ValueError, match="chunked attention"):
+        hf.padding_mask(1, 8, 8, mask_function=mu.causal_mask_function, config=config)

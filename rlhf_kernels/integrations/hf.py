@@ -567,6 +567,11 @@ def padding_mask(
             f"modeling module never calls transformers' AttentionInterface), so it would run "
             f"without a causal or padding mask; use attn_implementation='sdpa' or 'eager'"
         )
+    if compiling and getattr(config, "attention_chunk_size", None) is not None:
+        raise ValueError(  # what the eager check below finds in its mask parts (Llama 4)
+            f"rlhf_kernels attention does not apply chunked attention "
+            f"(attention_chunk_size={config.attention_chunk_size}); use attn_implementation='sdpa'"
+        )
     parts = [] if compiling else [name for name, _ in _mask_parts(mask_function)]
     unknown = [p for p in parts if p not in _KNOWN_MASK_PARTS]
     if unknown:
@@ -626,12 +631,19 @@ _PACKED_PART = "transformers.masking_utils.packed_sequence_mask_function.<locals
 def _probed_segments(mask_function, batch: int, length: int, offset, device) -> torch.Tensor:
     """int32 ``(B, S)`` segment numbers read off a causal ``mask_function`` by evaluation (a
     torch.compile trace cannot look into its closures): a segment starts at token ``i`` where
-    the mask hides key ``i - 1`` from query ``i``. Exact for packed samples; any other mask part
-    that hides the previous token (chunked attention; a 1-token window, where attention is the
-    token itself) is block-diagonal causal too, so the segments reproduce it."""
+    the mask hides key ``i - 1`` from query ``i``. Exact for packed samples and sliding windows
+    (a 1-token window attends to the token itself either way). A mask that shows a query the
+    next key is not causal (an overlay such as image-token blocks): a run-time error."""
     i = torch.arange(1, length, device=device)[None, :] + offset
     b = torch.arange(batch, device=device)[:, None]
-    seen = mask_function(b, torch.zeros_like(b), i, i - 1).expand(batch, length - 1)
+    zero = torch.zeros_like(b)
+    ahead = mask_function(b, zero, i - 1, i)
+    torch._assert_async(
+        ~torch.as_tensor(ahead).any(),
+        "rlhf_kernels attention: this causal mask shows queries later keys (an overlay such as "
+        "image-token blocks), which it cannot apply; use attn_implementation='sdpa'",
+    )
+    seen = mask_function(b, zero, i, i - 1).expand(batch, length - 1)
     starts = torch.cat([torch.zeros_like(b, dtype=torch.int32), (~seen).to(torch.int32)], 1)
     return starts.cumsum(1, dtype=torch.int32)
 
