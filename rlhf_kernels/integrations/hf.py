@@ -30,8 +30,10 @@ The attention function picks, in order:
 Refused with a clear error (never silently ignored): score modifiers passed by the layer
 (T5's ``position_bias``, attention sinks ``s_aux`` / ``sinks``, sparse ``indices``), mask
 structures other than causal / bidirectional / sliding window / packing (chunked attention,
-image-token block masks, custom overlays; not checked inside a torch.compile trace, where
-dynamo cannot read the mask function), static KV caches (keys past the written ones) and
+image-token block masks, custom overlays; inside a torch.compile trace, where dynamo cannot
+read the mask function, chunked attention is refused from the config and, in rows without a
+padding mask, an overlay that shows later keys fails at run time (``_probed_segments``); other
+parts are not checked there), static KV caches (keys past the written ones) and
 paged caches. ``output_attentions=True`` gets no weights (like SDPA) and a warning.
 
 Sliding window: transformers' layers see key ``j`` from query ``i`` when
