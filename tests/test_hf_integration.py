@@ -740,6 +740,11 @@ def test_probed_segments_read_packing_off_the_mask_and_refuse_overlays(monkeypat
     with pytest.raises(RuntimeError, match="shows queries later keys"):
         hf._probed_segments(overlay, 1, 8, 0, "cpu")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    padded = torch.ones(1, 8, dtype=torch.long)  # padded rows are checked too
+    with pytest.raises(RuntimeError, match="shows queries later keys"):
+        hf.padding_mask(1, 8, 8, mask_function=overlay, attention_mask=padded)
+    got = hf.padding_mask(1, 8, 8, mask_function=mu.causal_mask_function, attention_mask=padded)
+    assert torch.equal(got, padded.bool())
     config = transformers.Llama4TextConfig(attention_chunk_size=4)
     with pytest.raises(ValueError, match="chunked attention"):
         hf.padding_mask(1, 8, 8, mask_function=mu.causal_mask_function, config=config)

@@ -31,10 +31,10 @@ Refused with a clear error (never silently ignored): score modifiers passed by t
 (T5's ``position_bias``, attention sinks ``s_aux`` / ``sinks``, sparse ``indices``), mask
 structures other than causal / bidirectional / sliding window / packing (chunked attention,
 image-token block masks, custom overlays; inside a torch.compile trace, where dynamo cannot
-read the mask function, chunked attention is refused from the config and, in rows without a
-padding mask, an overlay that shows later keys fails at run time (``_probed_segments``); other
-parts are not checked there), static KV caches (keys past the written ones) and
-paged caches. ``output_attentions=True`` gets no weights (like SDPA) and a warning.
+read the mask function, chunked attention is refused from the config and an overlay that shows
+later keys fails at run time (``_check_no_lookahead``); other parts are not checked there),
+static KV caches (keys past the written ones) and paged caches. ``output_attentions=True``
+gets no weights (like SDPA) and a warning.
 
 Sliding window: transformers' layers see key ``j`` from query ``i`` when
 ``i - sliding_window < j <= i``, i.e. ``window_size = (sliding_window - 1, 0)``. Softcap (Gemma-2)
@@ -602,6 +602,8 @@ def padding_mask(
         return _probed_segments(mask_function, batch_size, q_length, q_offset, kwargs.get("device"))
     mask = attention_mask[:, -kv_length:].bool()
     if torch.compiler.is_compiling():  # no data-dependent shortcut while tracing
+        if causal and mask_function is not None:
+            _check_no_lookahead(mask_function, batch_size, q_length, q_offset, mask.device)
         return mask
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
@@ -636,18 +638,25 @@ def _probed_segments(mask_function, batch: int, length: int, offset, device) -> 
     the mask hides key ``i - 1`` from query ``i``. Exact for packed samples and sliding windows
     (a 1-token window attends to the token itself either way). A mask that shows a query the
     next key is not causal (an overlay such as image-token blocks): a run-time error."""
+    b, i = _check_no_lookahead(mask_function, batch, length, offset, device)
+    seen = mask_function(b, torch.zeros_like(b), i, i - 1).expand(batch, length - 1)
+    starts = torch.cat([torch.zeros_like(b, dtype=torch.int32), (~seen).to(torch.int32)], 1)
+    return starts.cumsum(1, dtype=torch.int32)
+
+
+def _check_no_lookahead(mask_function, batch: int, length: int, offset, device):
+    """Run-time error (traceable) if the causal ``mask_function`` shows query ``i - 1`` key
+    ``i``: an overlay such as image-token blocks, which the attention cannot apply. Returns the
+    probe's ``(batch (B, 1), query (1, S - 1))`` indices."""
     i = torch.arange(1, length, device=device)[None, :] + offset
     b = torch.arange(batch, device=device)[:, None]
-    zero = torch.zeros_like(b)
-    ahead = mask_function(b, zero, i - 1, i)
+    ahead = mask_function(b, torch.zeros_like(b), i - 1, i)
     torch._assert_async(
         ~torch.as_tensor(ahead).any(),
         "rlhf_kernels attention: this causal mask shows queries later keys (an overlay such as "
         "image-token blocks), which it cannot apply; use attn_implementation='sdpa'",
     )
-    seen = mask_function(b, zero, i, i - 1).expand(batch, length - 1)
-    starts = torch.cat([torch.zeros_like(b, dtype=torch.int32), (~seen).to(torch.int32)], 1)
-    return starts.cumsum(1, dtype=torch.int32)
+    return b, i
 
 
 def _packed_segments(mask_function) -> torch.Tensor | None:
