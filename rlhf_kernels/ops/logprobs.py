@@ -8,8 +8,10 @@ For logits ``z`` ``(R, V)`` (any leading shape flattened into ``R`` rows), tempe
 - ``d logp / d z = (onehot(label) - p) / tau``,  ``d entropy / d z = -p * (log p + entropy) / tau``
 
 OpenRLHF upcasts the whole ``(R, V)`` tensor to fp32 and runs ``log_softmax`` on it (two fp32
-copies). Here the forward keeps only ``lse`` and ``entropy`` per row (fp32, ``R`` floats each);
-the backward recomputes ``p`` per row block and writes the one gradient tensor (logits' dtype).
+copies). Here the forward keeps only the row max ``m``, ``log s`` (``lse = m + log s``) and
+``entropy`` per row (fp32, ``R`` floats each); the backward recomputes ``log p = (u - m) - log s``
+per row block, rounded as torch's ``log_softmax`` rounds it (``u - lse`` would lose
+``|lse| * eps``), and writes the one gradient tensor (logits' dtype).
 
 Backends: ``triton`` (one program per row, online log-sum-exp over vocab blocks; CUDA, or CPU
 under ``TRITON_INTERPRET=1``) and ``torch`` (row chunks of at most ``_CHUNK_ELEMS`` elements
@@ -98,9 +100,9 @@ def _scaled(zc, tau, buf):
 
 def _forward_torch(z, labels, tau, want_entropy):
     R = z.shape[0] * z.shape[1]
-    lse = torch.empty(R, dtype=torch.float32, device=z.device)
-    logp = torch.empty_like(lse)
-    ent = torch.empty_like(lse) if want_entropy else None
+    mx, log_sum = (torch.empty(R, dtype=torch.float32, device=z.device) for _ in "ml")
+    logp = torch.empty_like(mx)
+    ent = torch.empty_like(mx) if want_entropy else None
     buf_u, buf_e = _row_buffers(z)
     for r0, zc in _chunks(z):
         n = zc.shape[0]
@@ -109,25 +111,27 @@ def _forward_torch(z, labels, tau, want_entropy):
         m = u.amax(1)
         u.sub_(m[:, None])  # u - max <= 0
         e = torch.exp(u, out=buf_e[:n])
-        log_s = torch.log(e.sum(1))
-        lse[sl] = m + log_s
+        s = e.sum(1)
+        log_s = torch.log(s)
+        mx[sl], log_sum[sl] = m, log_s
         logp[sl] = u.gather(1, labels[sl, None])[:, 0] - log_s
         if want_entropy:  # H = log s - sum(e * (u - m)) / s; -inf logits have e = 0
-            u.clamp_(min=_NEG)
-            ent[sl] = log_s - torch.bmm(e[:, None], u[:, :, None])[:, 0, 0] / log_s.exp()
-    return logp, ent, lse
+            # in place, summed by .sum (a bmm here accumulates 5x plain torch's error)
+            ent[sl] = log_s - u.clamp_(min=_NEG).mul_(e).sum(1) / s
+    return logp, ent, (mx, log_sum)
 
 
-def _backward_torch(z, labels, tau, lse, ent, g_logp, g_ent):
+def _backward_torch(z, labels, tau, stats, ent, g_logp, g_ent):
     B, S, V = z.shape
     grad = torch.empty(B * S, V, dtype=z.dtype, device=z.device)
     buf_u, buf_p = _row_buffers(z)
     g_logp = g_logp / tau  # fold d u / d z = 1 / tau into the upstream gradients
     g_ent = None if g_ent is None else g_ent / tau
+    mx, log_sum = stats
     for r0, zc in _chunks(z):
         n = zc.shape[0]
         sl = slice(r0, r0 + n)
-        logp_all = _scaled(zc, tau, buf_u[:n]).sub_(lse[sl, None])
+        logp_all = _scaled(zc, tau, buf_u[:n]).sub_(mx[sl, None]).sub_(log_sum[sl, None])
         p = torch.exp(logp_all, out=buf_p[:n])
         if g_ent is not None:
             # -p * (log p + H) * g_H, then the log-prob term (p = 0 where log p = -inf)
@@ -159,7 +163,8 @@ if triton is not None:
         lab_ptr,
         logp_ptr,
         ent_ptr,
-        lse_ptr,
+        m_ptr,
+        log_s_ptr,
         V,
         inv_tau,
         BLOCK_V: tl.constexpr,
@@ -185,13 +190,14 @@ if triton is not None:
             t = scale * (t + shift * s) + tl.sum(e * d, axis=0)
             s = s * scale + tl.sum(e, axis=0)
             m = m_new
-        lse = m + tl.log(s)
+        log_s = tl.log(s)
         label = tl.load(lab_ptr + row)
         in_range = (label >= 0) & (label < V)  # never read outside the row; NaN if not
         u_lab = tl.load(z_row + tl.where(in_range, label, 0)).to(tl.float32) * inv_tau
-        tl.store(lse_ptr + row, lse)
-        tl.store(logp_ptr + row, tl.where(in_range, u_lab - lse, float("nan")))
-        tl.store(ent_ptr + row, tl.log(s) - t / s)
+        tl.store(m_ptr + row, m)
+        tl.store(log_s_ptr + row, log_s)
+        tl.store(logp_ptr + row, tl.where(in_range, (u_lab - m) - log_s, float("nan")))
+        tl.store(ent_ptr + row, log_s - t / s)
 
     @triton.jit
     def _logprobs_bwd_kernel(
@@ -201,7 +207,8 @@ if triton is not None:
         stride_s,
         g_ptr,
         lab_ptr,
-        lse_ptr,
+        m_ptr,
+        log_s_ptr,
         ent_ptr,
         glp_ptr,
         gent_ptr,
@@ -214,7 +221,8 @@ if triton is not None:
         z_row = _row_ptr(z_ptr, row, S, stride_b, stride_s)
         g_row = g_ptr + row.to(tl.int64) * V
         cols = tl.arange(0, BLOCK_V)
-        lse = tl.load(lse_ptr + row)
+        m = tl.load(m_ptr + row)
+        log_s = tl.load(log_s_ptr + row)
         label = tl.load(lab_ptr + row)
         g_lp = tl.load(glp_ptr + row)
         if HAS_ENT:
@@ -224,7 +232,7 @@ if triton is not None:
             idx = start + cols
             ok = idx < V
             u = tl.load(z_row + idx, mask=ok, other=0.0).to(tl.float32) * inv_tau
-            logp = tl.maximum(u - lse, -3.0e38)  # finite, so p * logp = 0 where p = 0
+            logp = tl.maximum((u - m) - log_s, -3.0e38)  # finite: p * logp = 0 where p = 0
             p = tl.exp(logp)
             g = tl.where(idx == label, g_lp, 0.0) - p * g_lp
             if HAS_ENT:
@@ -237,24 +245,23 @@ if triton is not None:
 
 def _forward_triton(z, labels, tau, want_entropy):
     B, S, V = z.shape
-    lse = torch.empty(B * S, dtype=torch.float32, device=z.device)
-    logp, ent = torch.empty_like(lse), torch.empty_like(lse)
+    mx, log_s, logp, ent = torch.empty(4, B * S, dtype=torch.float32, device=z.device)
     if B * S:
         _logprobs_fwd_kernel[(B * S,)](
-            z, S, z.stride(0), z.stride(1), labels, logp, ent, lse, V, 1.0 / tau,
+            z, S, z.stride(0), z.stride(1), labels, logp, ent, mx, log_s, V, 1.0 / tau,
             BLOCK_V=_block_v(V),
         )  # fmt: skip
-    return logp, (ent if want_entropy else None), lse
+    return logp, (ent if want_entropy else None), (mx, log_s)
 
 
-def _backward_triton(z, labels, tau, lse, ent, g_logp, g_ent):
+def _backward_triton(z, labels, tau, stats, ent, g_logp, g_ent):
     B, S, V = z.shape
     grad = torch.empty(B, S, V, dtype=z.dtype, device=z.device)
     has_ent = g_ent is not None
     if B * S:
         _logprobs_bwd_kernel[(B * S,)](
-            z, S, z.stride(0), z.stride(1), grad, labels, lse,
-            ent if has_ent else lse, g_logp, g_ent if has_ent else g_logp,
+            z, S, z.stride(0), z.stride(1), grad, labels, *stats,
+            ent if has_ent else g_logp, g_logp, g_ent if has_ent else g_logp,
             V, 1.0 / tau, HAS_ENT=has_ent, BLOCK_V=_block_v(V),
         )  # fmt: skip
     return grad
@@ -266,23 +273,23 @@ class _LogProbs(torch.autograd.Function):
     def forward(ctx, z, labels, tau, want_entropy, backend):
         fwd = _forward_triton if backend == "triton" else _forward_torch
         with device_guard(z):
-            logp, ent, lse = fwd(z, labels, tau, want_entropy)
-        ctx.save_for_backward(z, labels, lse, ent)
+            logp, ent, (mx, log_s) = fwd(z, labels, tau, want_entropy)
+        ctx.save_for_backward(z, labels, mx, log_s, ent)
         ctx.tau, ctx.backend = tau, backend
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        z, labels, lse, ent = ctx.saved_tensors
+        z, labels, mx, log_s, ent = ctx.saved_tensors
         if g_logp is None:
-            g_logp = torch.zeros_like(lse)
+            g_logp = torch.zeros_like(mx)
         bwd = _backward_triton if ctx.backend == "triton" else _backward_torch
         with device_guard(z):
             grad = bwd(
                 z,
                 labels,
                 ctx.tau,
-                lse,
+                (mx, log_s),
                 ent,
                 g_logp.float().contiguous(),
                 None if g_ent is None else g_ent.float().contiguous(),
