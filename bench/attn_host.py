@@ -3,7 +3,9 @@
 For causal bf16 packs of uneven documents (``gpu_check``'s lengths; 2048 = heads x head_dim),
 times ``varlen_attention(backend="triton")`` with the flat schedule built by its one-launch
 kernel (``kernel``, the default) and by the torch reference of before (``torch``), with
-``RLHF_KERNELS_AUTOTUNE=1`` (``autotuned``: the row records the blocks it kept per kernel), next
+``RLHF_KERNELS_AUTOTUNE=1`` (``autotuned``: the row records the blocks it kept per kernel), with
+``RLHF_KERNELS_HEAD_SECTION=all`` (``all_heads``: the grid order before head sections, every
+head of a slot in flight together; rows record the forward's heads per section), next
 to ``torch.nn.attention.varlen.varlen_attn`` (``varlen_attn``: FlashAttention kernels inside
 torch) when present. Per row: ``do_bench`` median ms of the forward and of forward+backward, and
 the host time per call (``--calls`` calls enqueued back to back after a sync, before the
@@ -45,7 +47,7 @@ def _host_ms(fn, calls):
     return host
 
 
-METHODS = ("kernel", "torch", "autotuned", "varlen_attn")
+METHODS = ("kernel", "torch", "autotuned", "all_heads", "varlen_attn")
 
 
 def _picks(total, dim):
@@ -72,7 +74,7 @@ def _rows(total, dim, calls, wanted):
     )
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     built = attention_schedule.flat_schedule
-    tune = os.environ.get("RLHF_KERNELS_AUTOTUNE")
+    saved = {e: os.environ.get(e) for e in ("RLHF_KERNELS_AUTOTUNE", "RLHF_KERNELS_HEAD_SECTION")}
     for name in wanted:
         if name != "varlen_attn":
             use_torch = name == "torch"
@@ -80,6 +82,7 @@ def _rows(total, dim, calls, wanted):
                 attention_schedule.flat_schedule_reference if use_torch else built
             )
             os.environ["RLHF_KERNELS_AUTOTUNE"] = "1" if name == "autotuned" else "0"
+            os.environ["RLHF_KERNELS_HEAD_SECTION"] = "all" if name == "all_heads" else "auto"
 
             def fwd(a=q, b=k, c=v):
                 return varlen_attention(a, b, c, cu, cu, n, n, causal=True, backend="triton")
@@ -111,13 +114,18 @@ def _rows(total, dim, calls, wanted):
             row["fwd_bwd_host_ms"] = _host_ms(step, calls)
             if name == "autotuned":
                 row["picks"] = _picks(total, dim)
+            if name != "varlen_attn":
+                row["fwd_heads_per_section"] = vt._head_section(
+                    q.device, heads, 1, 4 * q[:, 0].numel()
+                )
         except Exception as e:  # report and go on
             row = dict(total=total, dim=dim, method=name, error=repr(e)[:300])
         finally:
             attention_schedule.flat_schedule = built
-            os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
-            if tune is not None:
-                os.environ["RLHF_KERNELS_AUTOTUNE"] = tune
+            for e, val in saved.items():
+                os.environ.pop(e, None)
+                if val is not None:
+                    os.environ[e] = val
         print(json.dumps(row), flush=True)
         yield row
 

@@ -298,15 +298,16 @@ _AOT_SCRIPT = textwrap.dedent(
 # sides, softcap, GQA 2). 64-bit bases once per block with 32-bit offsets for the tiles a program
 # keeps across its loop brought them down from (fwd / dkdv / dq) bf16 d64 0 / 216 / 0 B,
 # bf16 d128 552 / 1184 / 736 B, fp16 d128 552 / 1232 / 736 B, fp32 d256 0 / 4544 / 320 B.
+# Head sections (``_program``'s two runtime divisions) moved dkdv d128 by +8 B (bf16), -16 (fp16).
 _SPILLS = {
     "_fwd_kernel bf16 64": 0,
     "_bwd_dkdv_kernel bf16 64": 8,
     "_bwd_dq_kernel bf16 64": 0,
     "_fwd_kernel bf16 128": 408,
-    "_bwd_dkdv_kernel bf16 128": 672,
+    "_bwd_dkdv_kernel bf16 128": 680,
     "_bwd_dq_kernel bf16 128": 256,
     "_fwd_kernel fp16 128": 408,
-    "_bwd_dkdv_kernel fp16 128": 688,
+    "_bwd_dkdv_kernel fp16 128": 672,
     "_bwd_dq_kernel fp16 128": 256,
     "_bwd_dkdv_kernel fp32 256": 4424,
     "_bwd_dq_kernel fp32 256": 0,
@@ -561,6 +562,43 @@ def test_gqa_split_dkdv_matches_float64_reference(split):
     for bad in (3, -2):
         with pytest.raises(ValueError, match=f"gqa_split={bad} must be an int >= 1 dividing"):
             varlen_attention_triton_backward(do32, q32, k32, v32, out, lse, *args, gqa_split=bad)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (5, 0)])
+def test_head_sections_change_the_order_not_the_results(window, monkeypatch):
+    """Programs in sections of one kv head (``RLHF_KERNELS_HEAD_SECTION=1``) give bit-identical
+    outputs, lse and gradients (also with the GQA group split) to the all-heads order."""
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = _problem([19, 0, 40, 7], None, 8, 2, 16)
+    q, k, v, dout = (t.float() for t in (q, k, v, dout))
+    args = (cu_q, cu_k, max_q, max_k, 0.25, True, window, 0.0)
+    got = {}
+    for env in ("all", "1"):
+        monkeypatch.setenv("RLHF_KERNELS_HEAD_SECTION", env)
+        out, lse = vt.varlen_attention_triton_forward(q, k, v, *args)
+        grads = [vt.varlen_attention_triton_backward(dout, q, k, v, out, lse, *args, gqa_split=s)
+                 for s in (1, 2)]  # fmt: skip
+        got[env] = [out, lse, *grads[0], *grads[1]]
+    for a, b in zip(got["all"], got["1"]):
+        assert torch.equal(a, b)
+
+
+def test_head_section_rule(monkeypatch):
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    mib = 1 << 20
+    # 128k tokens, head_dim 64 bf16: 32 MiB of K/V per kv head, over half a 50 MiB L2
+    assert vt._section("auto", 32, 1, 32 * mib, 50 * mib) == 1
+    assert vt._section("auto", 32, 4, 2 * mib, 50 * mib) == 32  # 8 kv heads of 2 MiB fit
+    assert vt._section("auto", 32, 1, 2 * mib, 50 * mib) == 8  # 12 fit: largest divisor 8
+    assert vt._section("auto", 12, 2, 1, 0) == 12  # no L2 size (off CUDA): one section
+    assert vt._section("all", 32, 1, 32 * mib, 50 * mib) == 32
+    assert vt._section("3", 16, 2, 0, 0) == 4  # 3 kv heads asked: 2 (divides 8), 2 heads each
+    assert vt._head_section(torch.device("cpu"), 16, 2, 32 * mib) == 16
+    monkeypatch.setenv("RLHF_KERNELS_HEAD_SECTION", "two")
+    with pytest.raises(ValueError, match="RLHF_KERNELS_HEAD_SECTION must be 'auto', 'all' or"):
+        vt._head_section(torch.device("cpu"), 16, 2, 0)
 
 
 def test_gqa_split_rule(monkeypatch):

@@ -1,8 +1,9 @@
 """Launch schedules of the packed-attention kernels (:mod:`.varlen_attention_triton`).
 
 A schedule is an int32 ``(slots, 2)`` table of ``(sequence, block index)``; the kernels' 1-D grid
-is ``slots x heads`` and program ``p`` reads row ``p // heads``. A row ``(-1, 0)`` is an unused
-slot (tables are sized by a host-side bound, so no ``cu_seqlens`` value is read back).
+is ``slots x heads`` (in head sections: ``varlen_attention_triton._program``). A row
+``(-1, 0)`` is an unused slot (tables are sized by a host-side bound, so no ``cu_seqlens`` value
+is read back).
 
 * :func:`schedule` picks the table of a launch: the static rectangle (every sequence, every block
   index below ``cdiv(max_len, block)``, cached per shape) when lengths are close to uniform, else

@@ -6,12 +6,15 @@ The semantics are those of ``varlen_attention_reference`` (bottom-right aligned 
 ``(left, right)`` sliding window, softcap, output 0 and lse ``-inf`` for a query that sees no key).
 
 * Schedule (:mod:`.attention_schedule`): each launch walks a table of ``(sequence, block)``
-  slots; the 1-D grid is slots x heads with the heads inner, so every head of the first slot
-  starts first. With skewed lengths the table is flat, one slot per real block, heaviest block
-  first (most keys or queries left visible by the mask), built on the device at every launch
-  (one small kernel and a sort) and sized by a host-side bound (no ``cu_seqlens`` value is read
-  back). When lengths are close to uniform it is the static ``batch x cdiv(max_len, block)``
-  rectangle, last block first, cached per shape: no per-call host work.
+  slots; the 1-D grid is slots x heads, in head sections (:func:`_head_section`): every slot
+  of a few heads, heads inner, then the next heads. A section holds as many heads as fit half
+  the L2 with the tensors their programs stream (all heads for small packs, so every head of
+  the first slot starts first; one kv head at 128k tokens). With skewed lengths the table is
+  flat, one slot per real block, heaviest block first (most keys or queries left visible by the
+  mask), built on the device at every launch (one small kernel and a sort) and sized by a
+  host-side bound (no ``cu_seqlens`` value is read back). When lengths are close to uniform it
+  is the static ``batch x cdiv(max_len, block)`` rectangle, last block first, cached per shape:
+  no per-call host work.
 * Forward: one launch for the whole pack, grid ``slots * H``. Online softmax in fp32 with exp2
   (scores carried in log2 units); only the key blocks that the causal/window mask leaves visible
   to a query block are visited, so no ``T x T`` matrix exists anywhere.
@@ -43,6 +46,7 @@ exact fp32 products (``input_precision="ieee"``) unless
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -165,6 +169,17 @@ def _diff(DIFF, b, lk, lq, HAS_DIFF: tl.constexpr):
         return lk - lq
 
 
+@triton.jit
+def _program(pid, n_slots, sec):
+    """Program ``pid`` -> ``(slot, head)``: heads in sections of ``sec`` (see
+    :func:`_head_section`), every slot of a section before the next, ``sec`` heads inner."""
+    per = n_slots * sec
+    part = pid // per
+    r = pid - part * per
+    slot = r // sec
+    return slot, part * sec + (r - slot * sec)
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _slot(SCHED, CU_Q, CU_K, DIFF, slot, HAS_DIFF: tl.constexpr):
@@ -182,17 +197,16 @@ def _slot(SCHED, CU_Q, CU_K, DIFF, slot, HAS_DIFF: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, DIFF, SCHED, n_heads, stride_qt, stride_qh, stride_kt,
+    Q, K, V, O, LSE, CU_Q, CU_K, DIFF, SCHED, n_slots, sec, stride_qt, stride_qh, stride_kt,
     stride_kh, stride_ot, stride_oh, stride_lh, scale, softcap, left, right, head_dim,
     GROUP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # 1-D grid of slots x heads, heads inner: every head of the heaviest slot starts first.
-    # k and v share shape and strides (contiguous copies)
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
+    # 1-D grid of slots x heads (in sections, heads inner: _program); k and v share shape and
+    # strides (contiguous copies)
+    slot, h = _program(tl.program_id(0), n_slots, sec)
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, slot, HAS_DIFF)
     start_m = blk * BLOCK_M
     if (b < 0) | (start_m >= lq):  # unused slot, or past the sequence's end
         return
@@ -268,19 +282,18 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, DIFF, SCHED, n_heads, stride_qt, stride_qh,
-    stride_kt, stride_kh, stride_lh, stride_split, scale, softcap, left, right, head_dim,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, DIFF, SCHED, n_slots, sec, stride_qt,
+    stride_qh, stride_kt, stride_kh, stride_lh, stride_split, scale, softcap, left, right, head_dim,
     GROUP: tl.constexpr, SPLIT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
     HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # 1-D grid of key-block slots x (KVH * SPLIT), the latter inner: program (slot, kh * SPLIT
-    # + sp) sums query heads [sp * GROUP // SPLIT, (sp + 1) * GROUP // SPLIT) of kv head kh's
-    # group into DK/DV[sp] (SPLIT > 1: fp32 partials the host sums; no atomics, deterministic).
-    # q/dO share strides; k/v/dk/dv share strides (contiguous); lse/delta are (H, total_q).
-    pid = tl.program_id(0)
-    hs = pid % n_heads
-    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
+    # 1-D grid of key-block slots x (KVH * SPLIT) (in sections: _program): program (slot, kh *
+    # SPLIT + sp) sums query heads [sp * GROUP // SPLIT, (sp + 1) * GROUP // SPLIT) of kv head
+    # kh's group into DK/DV[sp] (SPLIT > 1: fp32 partials the host sums; no atomics,
+    # deterministic). q/dO share strides; k/v/dk/dv share strides; lse/delta are (H, total_q).
+    slot, hs = _program(tl.program_id(0), n_slots, sec)
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, slot, HAS_DIFF)
     if b < 0:  # unused slot
         return
     start_n = blk * BLOCK_N
@@ -336,16 +349,16 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, DIFF, SCHED, n_heads, stride_qt, stride_qh,
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, DIFF, SCHED, n_slots, sec, stride_qt, stride_qh,
     stride_kt, stride_kh, stride_lh, scale, softcap, left, right, head_dim, GROUP: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_DIFF: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # 1-D grid of query-block slots x H, heads inner; q/dO/dQ share strides; k/v share strides
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, pid // n_heads, HAS_DIFF)
+    # 1-D grid of query-block slots x H (in sections: _program); q/dO/dQ share strides; k/v
+    # share strides
+    slot, h = _program(tl.program_id(0), n_slots, sec)
+    b, blk, q0, lq, k0, lk, diff = _slot(SCHED, CU_Q, CU_K, DIFF, slot, HAS_DIFF)
     if b < 0:  # unused slot
         return
     start_m = blk * BLOCK_M
@@ -529,6 +542,45 @@ def _gqa_split(slots: int, kv_heads: int, group: int, device: torch.device) -> i
     return split
 
 
+def _head_section(device: torch.device, n_heads: int, unit: int, unit_bytes: int) -> int:
+    """Heads per section of a launch's grid (``_program``): a multiple of ``unit`` (the grid
+    heads that read one kv head) dividing ``n_heads``.
+
+    A launch runs every slot of one section of heads before the next, so the programs in flight
+    stream the tensors of a few heads (``unit_bytes`` per ``unit``) and find them in L2 when
+    the section's share fits half of it. With all heads in one section (the order before
+    sections, kept where everything fits), a 128k-token pack keeps every head's K/V in flight
+    at once. ``RLHF_KERNELS_HEAD_SECTION``: ``auto`` (default; all heads off CUDA), ``all``, or
+    a number of kv heads per section (rounded down to a divisor)."""
+    env = os.environ.get("RLHF_KERNELS_HEAD_SECTION", "auto")
+    return _section(env, n_heads, unit, unit_bytes, _l2_bytes(device) if env == "auto" else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _section(env: str, n_heads: int, unit: int, unit_bytes: int, l2: int) -> int:
+    units = n_heads // unit
+    if env == "all" or (env == "auto" and not l2):
+        return n_heads
+    if env == "auto":
+        want = l2 // 2 // max(unit_bytes, 1)
+    elif env.isdigit() and int(env) > 0:
+        want = int(env)
+    else:
+        raise ValueError(
+            f"RLHF_KERNELS_HEAD_SECTION must be 'auto', 'all' or a number of kv heads >= 1, "
+            f"got {env!r}"
+        )
+    return unit * max(d for d in range(1, units + 1) if units % d == 0 and d <= max(want, 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _l2_bytes(device: torch.device) -> int:
+    """L2 cache bytes of a CUDA device (0 elsewhere, or where torch does not report it)."""
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+
+
 # window sides at or past this are unbounded: the kernels add them to int32 token indices, and
 # no sequence reaches it (triton_varlen_attention refuses longer ones)
 _WINDOW_CAP = 1 << 30
@@ -594,7 +646,7 @@ def varlen_attention_triton_forward(
         slots = sched.shape[0]
         args = (
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-            cu_seqlens_q if diff is None else diff, sched, heads, q.stride(0), q.stride(1),
+            cu_seqlens_q if diff is None else diff, sched, slots, sec, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
             float(softmax_scale), float(softcap), left, right, dim,
         )  # fmt: skip
@@ -602,6 +654,8 @@ def varlen_attention_triton_forward(
 
     meta = _kernel_meta(q, k, mask, softcap, diff)
     blocks = _block_sizes(dim, q.dtype, "fwd", total_q)
+    # every program of a section streams K and V of its kv head
+    sec = _head_section(q.device, heads, meta["GROUP"], 2 * k.shape[0] * dim * k.element_size())
     _launch(_fwd_kernel, make, meta, blocks, q.device, tokens=total_q)
     return out, lse
 
@@ -702,7 +756,7 @@ def _backward_kernels(
         slots = sched.shape[0]
         args = (
             q, k, v, dout, lse, delta, gk, gv, cu_seqlens_q, cu_seqlens_k, cu_diff, sched,
-            kv_heads * split, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            slots, sec_kv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
             gk.stride(0) if split > 1 else 0,
             float(softmax_scale), float(softcap), left, right, dim,
         )  # fmt: skip
@@ -712,12 +766,16 @@ def _backward_kernels(
         sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, total_q, max_seqlen_q)
         slots = sched.shape[0]
         args = (
-            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, cu_diff, sched, heads,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, cu_diff, sched, slots,
+            sec_q, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
             float(softmax_scale), float(softcap), left, right, dim,
         )  # fmt: skip
         return (slots * heads,), args
 
+    # dK/dV programs stream q, dO (and lse, delta) of their query heads; dQ ones K and V
+    per_q = total_q * (2 * dim * q.element_size() + 8)
+    sec_kv = _head_section(q.device, kv_heads * split, split, per_q * (group // split))
+    sec_q = _head_section(q.device, heads, group, 2 * total_k * dim * k.element_size())
     meta_kv = dict(meta, SPLIT=split)
     _launch(_bwd_dkdv_kernel, make_dkdv, meta_kv, blocks_kv, q.device, True, total_k)
     if split > 1:
