@@ -584,6 +584,25 @@ def test_head_sections_change_the_order_not_the_results(window, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_dq_reuses_the_forward_query_schedule(monkeypatch):
+    """One schedule build less per fwd+bwd: the dQ launch takes the forward's query table (same
+    block height), the dK/dV launch builds its key table; gradients as before."""
+    from rlhf_kernels.ops import varlen_attention_triton as vt
+
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = _problem([19, 3, 40], None, 4, 2, 16)
+    want = _run(_reference, q, k, v, dout, torch.float64, cu_q=cu_q, cu_k=cu_k, max_q=max_q,
+                max_k=max_k, scale=0.25, causal=True, window=(-1, -1), softcap=0.0)  # fmt: skip
+    built = []
+    real = vt._schedule
+    monkeypatch.setattr(vt, "_schedule", lambda *a: built.append(a[4]) or real(*a))
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out, _ = triton_varlen_attention(*leaves, cu_q, cu_k, max_q, max_k, 0.25, True, (-1, -1), 0.0)
+    out.backward(dout.float())
+    assert built == [False, True]  # by_keys: the forward's query table, then dK/dV's key table
+    for got, ref in zip((out, *(t.grad for t in leaves)), (want[0], *want[2:])):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_head_section_rule(monkeypatch):
     from rlhf_kernels.ops import varlen_attention_triton as vt
 

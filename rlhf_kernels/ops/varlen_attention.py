@@ -318,11 +318,13 @@ def _check_inputs(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
             f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}"
         )
+    longest_qk = []
     for name, given, cu in (
         ("max_seqlen_q", max_seqlen_q, cu_q),
         ("max_seqlen_k", max_seqlen_k, cu_k),
     ):
-        longest = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+        longest = _longest(cu)
+        longest_qk.append(longest)
         if given is not None:
             try:
                 given = operator.index(given)  # int, numpy int, 0-d integer tensor
@@ -334,8 +336,12 @@ def _check_inputs(
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
     if not (is_scalar(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    _window_pair(window_size)
-    return cu_q, cu_k
+    return cu_q, cu_k, longest_qk[0], longest_qk[1], _window_pair(window_size)
+
+
+def _longest(cu: list[int]) -> int:
+    """The longest sequence of a validated ``cu_seqlens`` list."""
+    return max(map(operator.sub, cu[1:], cu[:-1]), default=0)
 
 
 def _flash_attn_available() -> bool:
@@ -450,7 +456,7 @@ def varlen_attention(
             _window_pair(window_size), softcap, return_lse, resolve_backend(backend, q, dropout_p),
             bool(deterministic),
         )  # fmt: skip
-    cu_q, cu_k = _check_inputs(
+    cu_q, cu_k, max_seqlen_q, max_seqlen_k, window_size = _check_inputs(
         q,
         k,
         v,
@@ -466,11 +472,9 @@ def varlen_attention(
     if backend == "flash_attn" and q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"backend='flash_attn' needs fp16/bf16, got {q.dtype}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    window_size = _window_pair(window_size)
-    # grids are sized by the real longest sequence (validation read cu_seqlens anyway), so an
-    # oversized max_seqlen_* (a fixed constant, as flash-attn callers often pass) costs nothing
-    max_seqlen_q = max((b - a for a, b in zip(cu_q[:-1], cu_q[1:])), default=0)
-    max_seqlen_k = max((b - a for a, b in zip(cu_k[:-1], cu_k[1:])), default=0)
+    # _check_inputs gave the window as two ints and the real longest sequences: grids are sized
+    # by those (validation read cu_seqlens anyway), so an oversized max_seqlen_* (a fixed
+    # constant, as flash-attn callers often pass) costs nothing
 
     if backend == "torch":
         return _torch_varlen_attention(

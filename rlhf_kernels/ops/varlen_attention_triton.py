@@ -623,11 +623,14 @@ def varlen_attention_triton_forward(
     softcap: float,
     diff: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    q_schedules: dict | None = None,
 ):
     """Forward kernel launch. Inputs as in :func:`triton_varlen_attention` (contiguous).
 
     ``diff``: optional int32 ``(batch,)``, the key index that query 0 of each sequence sits at
     (default ``lk - lq``, bottom-right alignment); ring attention tiles set it.
+    ``q_schedules``: a dict that receives the query-block schedule built here, by ``BLOCK_M``
+    (the backward's dQ launch takes it when its block is the same: one schedule build less).
     Returns ``(out, lse)``: out ``(total_q, H, D)`` in ``out_dtype`` (default q's dtype), lse
     ``(H, total_q)`` fp32.
     """
@@ -643,6 +646,8 @@ def varlen_attention_triton_forward(
 
     def make(bm, bn):
         sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, total_q, max_seqlen_q)
+        if q_schedules is not None:
+            q_schedules[bm] = sched
         slots = sched.shape[0]
         args = (
             q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -680,6 +685,7 @@ def varlen_attention_triton_backward(
     grad_dtype: torch.dtype | None = None,
     gqa_split: int | None = None,
     dlse: torch.Tensor | None = None,
+    q_schedules: dict | None = None,
 ):
     """Backward kernel launches: ``(dq, dk, dv)`` in the shapes of q, k, v and their dtypes (or
     ``grad_dtype``).
@@ -688,6 +694,8 @@ def varlen_attention_triton_backward(
     ``diff`` as in the forward. ``delta``: ``rowsum(dout * out)`` ``(H, total_q)`` fp32 when the
     caller has it (ring attention: from the merged output; ``out`` is then not read).
     ``dlse``: the gradient of ``lse`` ``(H, total_q)``, if any (see :func:`fold_lse_grad`).
+    ``q_schedules``: the forward's query-block schedules (its ``q_schedules``), built from the
+    same ``cu_seqlens``, ``diff``, mask and lengths as this call's.
     """
     total_q, heads, dim = q.shape
     batch = cu_seqlens_q.numel() - 1
@@ -701,6 +709,7 @@ def varlen_attention_triton_backward(
         return _backward_kernels(
             dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split,
+            q_schedules,
         )  # fmt: skip
     delta = torch.empty_like(lse)
     block_t = 16 if _interpreting() else 64
@@ -722,12 +731,14 @@ def varlen_attention_triton_backward(
     return _backward_kernels(
         dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split,
+        q_schedules,
     )  # fmt: skip
 
 
 def _backward_kernels(
     dout, q, k, v, lse, delta, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, softmax_scale, causal, window_size, softcap, diff, gqa_split=None,
+    q_schedules=None,
 ):  # fmt: skip
     """The dK/dV and dQ launches, writing into ``dk, dv, dq``; returns ``(dq, dk, dv)``."""
     heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
@@ -763,7 +774,11 @@ def _backward_kernels(
         return (slots * kv_heads * split,), args
 
     def make_dq(bm, bn):
-        sched = _schedule(cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, total_q, max_seqlen_q)
+        sched = q_schedules.get(bm) if q_schedules else None  # the forward's, same inputs
+        if sched is None:
+            sched = _schedule(
+                cu_seqlens_q, cu_seqlens_k, diff, bm, False, mask, total_q, max_seqlen_q
+            )
         slots = sched.shape[0]
         args = (
             q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, cu_diff, sched, slots,
@@ -816,6 +831,7 @@ class VarlenAttentionTriton(torch.autograd.Function):
         # the kernels read cu_seqlens[b] at base + b: int32 and unit stride
         cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
         cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+        ctx.q_schedules = {}  # the forward's query-block table, reused by the dQ launch
         with device_guard(q):
             out, lse = varlen_attention_triton_forward(
                 q,
@@ -829,6 +845,7 @@ class VarlenAttentionTriton(torch.autograd.Function):
                 causal,
                 window_size,
                 softcap,
+                q_schedules=ctx.q_schedules,
             )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap)
@@ -842,7 +859,8 @@ class VarlenAttentionTriton(torch.autograd.Function):
             dout = torch.zeros_like(out)
         with device_guard(q):
             dq, dk, dv = varlen_attention_triton_backward(
-                dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse
+                dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse,
+                q_schedules=ctx.q_schedules,
             )
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
