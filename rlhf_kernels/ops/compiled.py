@@ -22,7 +22,7 @@ bad input still raises, before any work.
 - ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
   mask (data-dependent lengths).
 - ``rlhf_kernels::linear_logprobs_fwd`` / ``_bwd`` -> the fused lm_head + log-prob blocks
-  (``(logp, entropy, lse)`` / ``(dhidden, dweight, dbias)``).
+  (``(logp, entropy, row stats)`` / ``(dhidden, dweight, dbias)``).
 - ``rlhf_kernels::linear_loss_fwd`` -> ``linear_nll_loss``'s or ``linear_policy_loss``'s loss
   with its gradients made in the forward (3 matmuls, rows that do not count skipped at run
   time), as in eager mode.
@@ -232,23 +232,23 @@ def linear_logprobs_fwd(
     vc: int,
     softcap: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(logp, entropy or empty, lse)`` for the gatherable labels ``safe`` (range-checked by
-    ``safe_labels`` before)."""
+    """``(logp, entropy or empty, stats)`` for the gatherable labels ``safe`` (range-checked by
+    ``safe_labels`` before); ``stats`` ``(2, T)`` fp32 is each row's max and ``log s``."""
     from rlhf_kernels.ops import linear_logprobs as mod
 
     inv_tau = 1.0 / temperature
     with device_guard(h):
-        logp, ent, lse = mod._forward(
+        logp, ent, stats = mod._forward(
             h, w, mod._scaled_bias(b, inv_tau, softcap), safe, inv_tau, tc, vc, want_entropy,
             softcap,
         )  # fmt: skip
-    return logp, (ent if want_entropy else lse.new_empty(0)), lse
+    return logp, (ent if want_entropy else logp.new_empty(0)), stats
 
 
 @linear_logprobs_fwd.register_fake
 def _(h, w, b, safe, temperature, want_entropy, tc, vc, softcap):
     t = h.new_empty(h.shape[0], dtype=torch.float32)
-    return t, (torch.empty_like(t) if want_entropy else t.new_empty(0)), torch.empty_like(t)
+    return t, (torch.empty_like(t) if want_entropy else t.new_empty(0)), t.new_empty(2, t.shape[0])
 
 
 @torch.library.custom_op("rlhf_kernels::linear_logprobs_bwd", mutates_args=())
@@ -260,7 +260,7 @@ def linear_logprobs_bwd(
     temperature: float,
     tc: int,
     vc: int,
-    lse: Tensor,
+    stats: Tensor,
     ent: Tensor,
     g_lp: Tensor,
     g_ent: Tensor | None,
@@ -273,7 +273,7 @@ def linear_logprobs_bwd(
     inv_tau = 1.0 / temperature
     with device_guard(h):
         dh, dw, db = mod._backward(
-            h, w, mod._scaled_bias(b, inv_tau, softcap), safe, inv_tau, tc, vc, lse, ent,
+            h, w, mod._scaled_bias(b, inv_tau, softcap), safe, inv_tau, tc, vc, stats, ent,
             g_lp.float(), None if g_ent is None else g_ent.float(), tuple(needs), softcap,
         )  # fmt: skip
     dh, dw, db = mod._cast_grads(dh, dw, db, h, b)
@@ -282,7 +282,7 @@ def linear_logprobs_bwd(
 
 
 @linear_logprobs_bwd.register_fake
-def _(h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs, softcap):
+def _(h, w, b, safe, temperature, tc, vc, stats, ent, g_lp, g_ent, needs, softcap):
     like = (h, w, b if b is not None else h.new_empty(0))
     return tuple(torch.empty_like(t) if n else h.new_empty(0) for t, n in zip(like, needs))
 
@@ -293,16 +293,16 @@ def _llp_setup(ctx, inputs, output):
     ctx.cfg = (temperature, tc, vc, b is not None, softcap)
 
 
-def _llp_backward(ctx, g_lp, g_ent, g_lse):
-    del g_lse  # lse is not an output of linear_logprobs
-    h, w, b, safe, lse, ent = ctx.saved_tensors
+def _llp_backward(ctx, g_lp, g_ent, g_stats):
+    del g_stats  # the row stats are not an output of linear_logprobs
+    h, w, b, safe, stats, ent = ctx.saved_tensors
     temperature, tc, vc, has_b, softcap = ctx.cfg
     ng = ctx.needs_input_grad
     needs = [bool(ng[0]), bool(ng[1]), bool(has_b and ng[2])]
-    g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
+    g_lp = torch.zeros_like(stats[0]) if g_lp is None else g_lp
     g_ent = g_ent if (g_ent is not None and ent.numel()) else None
     dh, dw, db = linear_logprobs_bwd(
-        h, w, b, safe, temperature, tc, vc, lse, ent, g_lp, g_ent, needs, softcap
+        h, w, b, safe, temperature, tc, vc, stats, ent, g_lp, g_ent, needs, softcap
     )
     grads = [g if n else None for g, n in zip((dh, dw, db), needs)]
     return (*grads, None, None, None, None, None, None)

@@ -4,9 +4,10 @@
 
 - forward: token chunks x vocab chunks with an online log-sum-exp per token (running max ``m``,
   ``s = sum exp(u - m)``, ``t = sum exp(u - m) * (u - m)``, relative to the running max so a
-  large common logit offset does not cancel); keeps only ``lse``, ``logp``, ``entropy``
-  (three fp32 vectors of length ``T``).
-- backward: recomputes each block from the saved ``lse`` (``p = exp(u - lse)``), forms
+  large common logit offset does not cancel); keeps only ``m`` and ``log s`` (``lse = m +
+  log s``), ``logp``, ``entropy`` (fp32 vectors of length ``T``).
+- backward: recomputes each block as the forward formed it, then ``log p = (u - m) - log s``
+  (rounded as ``log_softmax`` rounds it; ``u - lse`` loses ``|lse| * eps``) and forms
   ``dU = g_logp * (onehot - p) - g_ent * p * (log p + H)``, and accumulates
   ``dhidden += dU @ W_c`` (fp32 ``(T, H)``), ``dweight_c += dU.T @ h`` (fp32 ``(Vc, H)``, one
   vocab chunk at a time, then cast), ``dbias_c += dU.sum(0)``.
@@ -146,13 +147,16 @@ def _mm_f32(a, b, out, add=None, alpha=1.0, beta=1.0):
     return torch.addmm(add, a, b, alpha=alpha, beta=beta, out=out)
 
 
-def _block(buf, hc, wc, b_s, inv_tau, lse=None, cap=None):
-    """``buf``'s first ``n * nv`` floats as ``(n, nv)`` = ``u [- lse]``, fp32, with
+def _block(buf, hc, wc, b_s, inv_tau, cap=None):
+    """``buf``'s first ``n * nv`` floats as ``(n, nv)`` = ``u``, fp32, with
     ``u = (z / tau)`` or, with a soft cap, ``u = cap * tanh(z / cap) / tau``; ``z = hc @ wc.T + b``
-    (``b_s`` is ``b`` pre-scaled by :func:`_scaled_bias`).
+    (``b_s`` is ``b`` as :func:`_scaled_bias` gives it: ``b / cap`` under a soft cap).
 
-    Reusing one preallocated buffer avoids a fresh (page-faulted) allocation per block; the
-    ``1/tau`` scale and ``-lse`` go into the matmul's epilogue.
+    Reusing one preallocated buffer avoids a fresh (page-faulted) allocation per block. ``z``
+    is one ``addmm`` (rounded once, as ``F.linear`` rounds it), then scaled by ``1 / tau``:
+    adding a pre-scaled ``b / tau`` rounds twice at ``|b / tau|`` (up to 2.4x plain torch's
+    fp32 gradient error at tau 0.7 and logits near 30). Forward and backward form ``u`` by this
+    one call, so it rounds the same in both (folding ``-lse`` into an ``addmm`` did not: 8x).
     """
     n, nv = hc.shape[0], wc.shape[0]
     u = buf.view(-1)[: n * nv].view(n, nv)
@@ -160,15 +164,11 @@ def _block(buf, hc, wc, b_s, inv_tau, lse=None, cap=None):
         _mm_f32(hc, wc.T, u, alpha=1.0 / cap)
         if b_s is not None:
             u.add_(b_s)
-        u.tanh_().mul_(cap * inv_tau)
-        return u if lse is None else u.sub_(lse[:, None])
-    if lse is None:
-        _mm_f32(hc, wc.T, u, alpha=inv_tau)
-    else:
-        _mm_f32(hc, wc.T, u, add=lse[:, None].expand(n, nv), alpha=inv_tau, beta=-1.0)
-    if b_s is not None:
-        u.add_(b_s)
-    return u
+        return u.tanh_().mul_(cap * inv_tau)
+    if b_s is None:
+        return _mm_f32(hc, wc.T, u, alpha=inv_tau)
+    _mm_f32(hc, wc.T, u, add=b_s.expand(n, nv))
+    return u.mul_(inv_tau) if inv_tau != 1.0 else u
 
 
 if triton is not None:
@@ -207,10 +207,11 @@ if triton is not None:
         tl.store(ULAB + r, tl.load(ULAB + r) + tl.where(here, u_lab, 0.0))
 
     @triton.jit
-    def _grad_kernel(LOGP, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, LSE,
-                     HAS_ENT: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK: tl.constexpr):
-        """One row: ``dU = g_lp * (onehot - p) - g_ent * p * (log p + H)`` from ``log p``
-        (fp32; ``u - lse`` when HAS_LSE), written in G's dtype (the gradient matmuls' dtype)."""
+    def _grad_kernel(LOGP, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, M, LOGS,
+                     HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: ``dU = g_lp * (onehot - p) - g_ent * p * (log p + H)`` from the fp32 ``u``
+        with ``log p = (u - m) - log s`` (rounded as ``log_softmax`` rounds it: ``u - lse``
+        loses ``|lse| * eps`` to one row-wide rounding), written in G's dtype."""
         r = tl.program_id(0)
         src = LOGP + r.to(tl.int64) * stride_u
         dst = G + r.to(tl.int64) * stride_g
@@ -219,14 +220,13 @@ if triton is not None:
         if HAS_ENT:
             g_ent = tl.load(GENT + r)
             ent = tl.load(ENT + r)
-        lse = 0.0
-        if HAS_LSE:
-            lse = tl.load(LSE + r)
+        m = tl.load(M + r)
+        log_s = tl.load(LOGS + r)
         cols = tl.arange(0, BLOCK)
         for c0 in range(0, nv, BLOCK):
             idx = c0 + cols
             ok = idx < nv
-            lp = tl.maximum(tl.load(src + idx, mask=ok, other=0.0) - lse, -3.0e38)
+            lp = tl.maximum((tl.load(src + idx, mask=ok, other=0.0) - m) - log_s, -3.0e38)
             p = tl.exp(lp)
             g = tl.where(idx == lab, g_lp, 0.0) - p * g_lp
             if HAS_ENT:
@@ -252,12 +252,10 @@ def _view(buf, like):
     return buf.view(-1)[: like.numel()].view(like.shape)
 
 
-def _cap_factor(buf, u, lse, inv_tau, cap):
-    """``du/dz * tau = 1 - tanh(z / cap)^2`` of a soft-capped block, from ``u`` (``u - lse``
-    when ``lse`` is given), written to ``buf``: the factor that turns dL/du into dL/dz."""
+def _cap_factor(buf, u, inv_tau, cap):
+    """``du/dz * tau = 1 - tanh(z / cap)^2`` of a soft-capped block, from ``u``, written to
+    ``buf``: the factor that turns dL/du into dL/dz."""
     t = torch.mul(u, 1.0 / (cap * inv_tau), out=_view(buf, u))
-    if lse is not None:
-        t.add_(lse[:, None], alpha=1.0 / (cap * inv_tau))
     return t.square_().neg_().add_(1.0)
 
 
@@ -268,8 +266,8 @@ def _label_in_chunk(lab, v0, nv):
 
 def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None):
     T, V = h.shape[0], w.shape[0]
-    lse = torch.empty(T, dtype=torch.float32, device=h.device)
-    logp, ent = torch.empty_like(lse), torch.empty_like(lse)
+    stats = torch.empty(2, T, dtype=torch.float32, device=h.device)  # row max m, log s
+    logp, ent = torch.empty_like(stats[0]), torch.empty_like(stats[0])
     buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
     fast = _use_triton(h)
     buf_e = None if fast else torch.empty_like(buf_u)
@@ -299,17 +297,17 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None):
             e = torch.exp(u, out=_view(buf_e, u))
             e_sum = e.sum(1)
             if want_entropy:  # t = sum e * (u - m), kept relative to the running max
-                u.clamp_(min=_NEG)
                 shift = torch.where(live, (m - m_safe) * s, 0.0)
-                t = (t + shift) * scale + torch.bmm(e[:, None], u[:, :, None])[:, 0, 0]
+                # in place, summed by .sum (a bmm accumulates ~2.5x plain torch's error)
+                t = (t + shift) * scale + u.clamp_(min=_NEG).mul_(e).sum(1)
             s = s * scale + e_sum
             m = m_new
         sl = slice(t0, t0 + n)
         log_s = torch.log(s)
-        lse[sl] = m + log_s
-        logp[sl] = u_lab - lse[sl]
+        stats[0, sl], stats[1, sl] = m, log_s
+        logp[sl] = (u_lab - m) - log_s  # as log_softmax rounds it (u - lse loses |lse| * eps)
         ent[sl] = log_s - t / s
-    return logp, (ent if want_entropy else None), lse
+    return logp, (ent if want_entropy else None), stats
 
 
 def _new_grads(h, w, needs):
@@ -333,7 +331,7 @@ def _accumulate(g, hc, wc, dh_c, acc):
         _mm_f32(gd.T, hc, acc, add=acc)
 
 
-def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs, cap=None):
+def _backward(h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs, cap=None):
     """Gradients (dhidden, dweight, dbias) for upstream g_lp (T,) and g_ent (T,) or None.
 
     Vocab chunks outer, token chunks inner: the fp32 weight-gradient accumulator is one
@@ -360,18 +358,21 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, lse, ent, g_lp, g_ent, needs, 
         for t0 in range(0, T, tc):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
             sl = slice(t0, t0 + hc.shape[0])
-            logp = _block(buf_u, hc, wc, bc, inv_tau, lse=lse[sl], cap=cap)  # (n, nv) log p
+            # u exactly as the forward formed it (an addmm folding -lse in rounds differently:
+            # CPU BLAS with alpha != 1), then log p = (u - m) - log s
+            u = _block(buf_u, hc, wc, bc, inv_tau, cap=cap)
             if cap is not None:
-                fac = _cap_factor(buf_f, logp, lse[sl], inv_tau, cap)
+                fac = _cap_factor(buf_f, u, inv_tau, cap)
             if fast:
-                g = _view(buf_p, logp)
+                g = _view(buf_p, u)
                 has_ent = g_ent is not None
-                _grad_kernel[(logp.shape[0],)](
-                    logp, logp.stride(0), g, g.stride(0), nv, lab - v0, g_lp[sl],
+                _grad_kernel[(u.shape[0],)](
+                    u, u.stride(0), g, g.stride(0), nv, lab - v0, g_lp[sl],
                     g_ent[sl] if has_ent else g_lp[sl], ent[sl] if has_ent else g_lp[sl],
-                    g_lp[sl], HAS_ENT=has_ent, HAS_LSE=False, BLOCK=_row_block(nv),
+                    stats[0, sl], stats[1, sl], HAS_ENT=has_ent, BLOCK=_row_block(nv),
                 )  # fmt: skip
             else:
+                logp = u.sub_(stats[0, sl, None]).sub_(stats[1, sl, None])  # (n, nv) log p
                 p = torch.exp(logp, out=_view(buf_p, logp))
                 if g_ent is not None:  # -g_ent p (log p + H) - g_lp p; p = 0 at log p = -inf
                     g = logp.clamp_(min=_NEG).add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
@@ -399,8 +400,9 @@ def _cast_grads(dh, dw, db, h, b):
 
 
 def _scaled_bias(b, inv_tau, cap=None):
-    """The bias as :func:`_block` adds it: ``b / tau``, or ``b / cap`` under a soft cap."""
-    return None if b is None else b.float() * (inv_tau if cap is None else 1.0 / cap)
+    """The bias as :func:`_block` adds it: fp32 ``b``, or ``b / cap`` under a soft cap."""
+    del inv_tau  # applied after the bias (:func:`_block`)
+    return None if b is None else b.float() * (1.0 if cap is None else 1.0 / cap)
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -409,17 +411,17 @@ class _LinearLogProbs(torch.autograd.Function):
         inv_tau = 1.0 / tau
         b_s = _scaled_bias(b, inv_tau, cap)
         with device_guard(h):
-            logp, ent, lse = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap)
-        ctx.save_for_backward(h, w, b, labels, lse, ent)
+            logp, ent, stats = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap)
+        ctx.save_for_backward(h, w, b, labels, stats, ent)
         ctx.cfg = (inv_tau, tc, vc, cap)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        h, w, b, labels, lse, ent = ctx.saved_tensors
+        h, w, b, labels, stats, ent = ctx.saved_tensors
         inv_tau, tc, vc, cap = ctx.cfg
         if g_lp is None:
-            g_lp = torch.zeros_like(lse)
+            g_lp = torch.zeros_like(stats[0])
         needs = (
             ctx.needs_input_grad[0],
             ctx.needs_input_grad[1],
@@ -434,7 +436,7 @@ class _LinearLogProbs(torch.autograd.Function):
                 inv_tau,
                 tc,
                 vc,
-                lse,
+                stats,
                 ent,
                 g_lp.float(),
                 None if g_ent is None else g_ent.float(),
@@ -508,10 +510,8 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
             sl = slice(t0, t0 + hc.shape[0])
             u = _block(buf_u, hc, w, b_s, inv_tau, cap=cap)
-            fac = (
-                None if cap is None or not any(needs) else _cap_factor(buf_f, u, None, inv_tau, cap)
-            )
-            logp, lse, p_sum = _chunk_logp(u, lab, fast)
+            fac = None if cap is None or not any(needs) else _cap_factor(buf_f, u, inv_tau, cap)
+            logp, stats, p_sum = _chunk_logp(u, lab, fast)
             loss += loss_fn(logp, sl).float()
             if not any(needs):
                 continue
@@ -519,8 +519,8 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs):
             if fast:
                 g = _view(buf_p, u)
                 _grad_kernel[(u.shape[0],)](
-                    u, u.stride(0), g, g.stride(0), V, lab, g_lp, g_lp, g_lp, lse,
-                    HAS_ENT=False, HAS_LSE=True, BLOCK=_row_block(V),
+                    u, u.stride(0), g, g.stride(0), V, lab, g_lp, g_lp, g_lp, *stats,
+                    HAS_ENT=False, BLOCK=_row_block(V),
                 )  # fmt: skip
             else:  # u holds exp(u - max) here
                 g = u.mul_((-g_lp / p_sum)[:, None])  # -g_lp * softmax / tau
@@ -587,12 +587,12 @@ def _loss_with_grads(h, w, b, lab, wt, temperature, softcap, needs, ppo=None):
     else:  # vocabulary too large for one block: blocks, then the backward with d loss / d logp
         tc, vc = _chunk_sizes(n, H, V, cpu)
         b_s = _scaled_bias(b, 1.0 / tau, cap)
-        logp, ent, lse = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap)
+        logp, ent, stats = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap)
         every = slice(0, n)
         loss, dh, dw, db = token_loss[0](logp, every), None, None, None
         if any(needs):
             g_lp = token_loss[1](logp, every).float()
-            grads = _backward(hh, w, b_s, ll, 1.0 / tau, tc, vc, lse, ent, g_lp, None, needs, cap)
+            grads = _backward(hh, w, b_s, ll, 1.0 / tau, tc, vc, stats, ent, g_lp, None, needs, cap)
             dh, dw, db = _cast_grads(*grads, hh, b)
     if dh is not None:  # contiguous, as the op's fake declares
         dh = h.new_zeros(h.shape).index_copy_(0, keep, dh) if part else dh.contiguous()
@@ -600,10 +600,10 @@ def _loss_with_grads(h, w, b, lab, wt, temperature, softcap, needs, ppo=None):
 
 
 def _chunk_logp(u, lab, fast):
-    """Per-row ``(logp, lse, s)`` of a full-vocabulary fp32 block ``u`` ``(n, V)``.
+    """Per-row ``(logp, (m, log s), s)`` of a full-vocabulary fp32 block ``u`` ``(n, V)``.
 
     Fast (Triton) path: one read of ``u``, which is left as is (``s`` None). Torch path:
-    ``u`` becomes ``exp(u - max)`` in place and ``s`` its row sums (``lse`` None)."""
+    ``u`` becomes ``exp(u - max)`` in place and ``s`` its row sums (``(m, log s)`` None)."""
     n = u.shape[0]
     if fast:
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=u.device)
@@ -612,8 +612,8 @@ def _chunk_logp(u, lab, fast):
             u, u.stride(0), u.shape[1], lab, m, s, t, u_lab, WANT_ENT=False,
             BLOCK=_row_block(u.shape[1]),
         )  # fmt: skip
-        lse = m + torch.log(s)
-        return u_lab - lse, lse, None
+        log_s = torch.log(s)
+        return (u_lab - m) - log_s, (m, log_s), None
     mx = u.amax(1, keepdim=True)
     u_lab = u.gather(1, lab[:, None])[:, 0] - mx[:, 0]
     p = torch.exp(u.sub_(mx), out=u)

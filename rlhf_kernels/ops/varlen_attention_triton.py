@@ -859,7 +859,16 @@ class VarlenAttentionTriton(torch.autograd.Function):
             dout = torch.zeros_like(out)
         with device_guard(q):
             dq, dk, dv = varlen_attention_triton_backward(
-                dout, q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse,
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                cu_q,
+                cu_k,
+                *ctx.params,
+                dlse=dlse,
                 q_schedules=ctx.q_schedules,
             )
         return dq, dk, dv, None, None, None, None, None, None, None, None
