@@ -8,7 +8,9 @@ Measures on one CUDA device, bf16, with CUDA-event timing (``triton.testing.do_b
   document, the rest in 32-512-token documents), where a rectangular
   ``(batch, max_len / block)`` grid would be mostly empty programs (ours schedules a flat table
   of blocks, heaviest first). Peers on the same pack: ``varlen_attention(backend="triton")``
-  (ours, with the default blocks and with ``RLHF_KERNELS_AUTOTUNE=1``),
+  (ours, with the default blocks, with ``RLHF_KERNELS_AUTOTUNE=1``, and, on packs where the
+  default grid runs in head sections, with ``RLHF_KERNELS_HEAD_SECTION=all``: the order
+  before sections),
   ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels shipped inside torch; the
   flash-attn package itself when importable), one SDPA flash call per document, and compiled
   ``flex_attention`` with a document-causal block mask. Every peer is compared with ours first
@@ -53,6 +55,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rlhf_kernels.ops import varlen_attention_triton as vt  # noqa: E402
 from rlhf_kernels.ops.varlen_attention import varlen_attention  # noqa: E402
 
 
@@ -86,7 +89,7 @@ def _attention_peers(lengths, heads, dim):
 
     # the autotuned entry runs (forward and backward) with RLHF_KERNELS_AUTOTUNE=1 set by
     # _attention_case: its blocks are timed on the first call of each kernel configuration
-    peers = {"ours_triton": ours, "ours_triton_autotuned": ours}
+    peers = {"ours_triton": ours, "ours_triton_autotuned": ours, "ours_triton_all_heads": ours}
     try:
         import inspect
 
@@ -180,11 +183,13 @@ def _attention_case(total, dim, quick, skewed=False):
     )
     flops = _causal_flops(lengths, heads, dim)
     ref = ref_name = None
+    # forward's heads per section by default (every head when the pack's K/V fit half the L2)
+    section = vt._head_section(q.device, heads, 1, 4 * total * dim)
     for name, fn in _attention_peers(lengths, heads, dim).items():
-        if name.endswith("_autotuned"):
-            os.environ["RLHF_KERNELS_AUTOTUNE"] = "1"
-        else:
-            os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
+        if name.endswith("_all_heads") and section == heads:
+            continue  # the default order already
+        _set_env("RLHF_KERNELS_AUTOTUNE", "1" if name.endswith("_autotuned") else None)
+        _set_env("RLHF_KERNELS_HEAD_SECTION", "all" if name.endswith("_all_heads") else None)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         base = dict(total=total, dim=dim, heads=heads, docs=len(lengths), method=name,
                     mix="skewed" if skewed else "uneven")  # fmt: skip
@@ -205,7 +210,8 @@ def _attention_case(total, dim, quick, skewed=False):
             fwd_ms = _bench(lambda fn=fn: fn(q, k, v), quick)
             fb_ms = _bench(step, quick)
         except Exception as e:
-            os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
+            _set_env("RLHF_KERNELS_AUTOTUNE", None)
+            _set_env("RLHF_KERNELS_HEAD_SECTION", None)
             yield dict(base, error=repr(e)[:300])
             torch.cuda.empty_cache()
             continue
@@ -215,9 +221,20 @@ def _attention_case(total, dim, quick, skewed=False):
             reference=ref_name, rel_err_out=err[0], rel_err_dq=err[1],
             mismatch=_mismatch(err),
         )  # fmt: skip
+        if name.startswith("ours"):  # the forward grid's heads per section
+            row["fwd_heads_per_section"] = heads if name.endswith("_all_heads") else section
         print(_fmt_attention(row), flush=True)
         yield row
-    os.environ.pop("RLHF_KERNELS_AUTOTUNE", None)
+    _set_env("RLHF_KERNELS_AUTOTUNE", None)
+    _set_env("RLHF_KERNELS_HEAD_SECTION", None)
+
+
+def _set_env(name, value):
+    """Set ``name`` to ``value``, or unset it when ``value`` is None."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _fmt_attention(r):

@@ -573,15 +573,25 @@ def test_head_sections_change_the_order_not_the_results(window, monkeypatch):
     q, k, v, dout, cu_q, cu_k, max_q, max_k = _problem([19, 0, 40, 7], None, 8, 2, 16)
     q, k, v, dout = (t.float() for t in (q, k, v, dout))
     args = (cu_q, cu_k, max_q, max_k, 0.25, True, window, 0.0)
+    calls = []
+    real = vt._head_section
+    monkeypatch.setattr(vt, "_head_section", lambda *a: calls.append(a[1:]) or real(*a))
+    monkeypatch.setattr(vt, "_l2_bytes", lambda device: 2 * 66 * 16 * 4)  # auto: 1 kv head
     got = {}
-    for env in ("all", "1"):
+    for env in ("all", "1", "auto"):
         monkeypatch.setenv("RLHF_KERNELS_HEAD_SECTION", env)
         out, lse = vt.varlen_attention_triton_forward(q, k, v, *args)
         grads = [vt.varlen_attention_triton_backward(dout, q, k, v, out, lse, *args, gqa_split=s)
                  for s in (1, 2)]  # fmt: skip
         got[env] = [out, lse, *grads[0], *grads[1]]
-    for a, b in zip(got["all"], got["1"]):
-        assert torch.equal(a, b)
+    for env in ("1", "auto"):
+        for a, b in zip(got["all"], got[env]):
+            assert torch.equal(a, b)
+    # (grid heads, heads per kv head, bytes each kv head's programs stream): forward and dQ
+    # K + V of one kv head; dK/dV q, dO, lse and delta of the group's four query heads
+    kv_bytes, q_bytes = 2 * 66 * 16 * 4, 66 * (2 * 16 * 4 + 8) * 4
+    assert calls[:3] == [(8, 4, kv_bytes), (2, 1, q_bytes), (8, 4, kv_bytes)]
+    assert calls[3] == (4, 2, q_bytes)  # gqa_split=2: two programs per kv head
 
 
 def test_dq_reuses_the_forward_query_schedule(monkeypatch):

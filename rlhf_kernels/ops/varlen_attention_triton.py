@@ -788,8 +788,8 @@ def _backward_kernels(
         return (slots * heads,), args
 
     # dK/dV programs stream q, dO (and lse, delta) of their query heads; dQ ones K and V
-    per_q = total_q * (2 * dim * q.element_size() + 8)
-    sec_kv = _head_section(q.device, kv_heads * split, split, per_q * (group // split))
+    per_q = total_q * (2 * dim * q.element_size() + 8)  # per query head
+    sec_kv = _head_section(q.device, kv_heads * split, split, per_q * group)
     sec_q = _head_section(q.device, heads, group, 2 * total_k * dim * k.element_size())
     meta_kv = dict(meta, SPLIT=split)
     _launch(_bwd_dkdv_kernel, make_dkdv, meta_kv, blocks_kv, q.device, True, total_k)
