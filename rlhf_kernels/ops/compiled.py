@@ -239,7 +239,7 @@ def linear_logprobs_fwd(
     inv_tau = 1.0 / temperature
     with device_guard(h):
         logp, ent, stats = mod._forward(
-            h, w, mod._scaled_bias(b, inv_tau, softcap), safe, inv_tau, tc, vc, want_entropy,
+            h, w, mod._scaled_bias(b, softcap), safe, inv_tau, tc, vc, want_entropy,
             softcap,
         )  # fmt: skip
     return logp, (ent if want_entropy else logp.new_empty(0)), stats
@@ -273,7 +273,7 @@ def linear_logprobs_bwd(
     inv_tau = 1.0 / temperature
     with device_guard(h):
         dh, dw, db = mod._backward(
-            h, w, mod._scaled_bias(b, inv_tau, softcap), safe, inv_tau, tc, vc, stats, ent,
+            h, w, mod._scaled_bias(b, softcap), safe, inv_tau, tc, vc, stats, ent,
             g_lp.float(), None if g_ent is None else g_ent.float(), tuple(needs), softcap,
         )  # fmt: skip
     dh, dw, db = mod._cast_grads(dh, dw, db, h, b)

@@ -382,7 +382,7 @@ def _capped_blocks(h, w, b, cap):
     V = w.shape[0]
     tc, vc = lse_mod._chunk_sizes(T, H, V, h.device.type == "cpu")
     buf = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
-    b_s = lse_mod._scaled_bias(b, 1.0, cap)
+    b_s = lse_mod._scaled_bias(b, cap)
 
     def blocks(vs):
         bc = None if b_s is None else b_s[vs]

@@ -207,13 +207,13 @@ if triton is not None:
         tl.store(ULAB + r, tl.load(ULAB + r) + tl.where(here, u_lab, 0.0))
 
     @triton.jit
-    def _grad_kernel(LOGP, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, M, LOGS,
+    def _grad_kernel(U, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, M, LOGS,
                      HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
         """One row: ``dU = g_lp * (onehot - p) - g_ent * p * (log p + H)`` from the fp32 ``u``
         with ``log p = (u - m) - log s`` (rounded as ``log_softmax`` rounds it: ``u - lse``
         loses ``|lse| * eps`` to one row-wide rounding), written in G's dtype."""
         r = tl.program_id(0)
-        src = LOGP + r.to(tl.int64) * stride_u
+        src = U + r.to(tl.int64) * stride_u
         dst = G + r.to(tl.int64) * stride_g
         g_lp = tl.load(GLP + r)
         lab = tl.load(LAB + r)
@@ -399,9 +399,9 @@ def _cast_grads(dh, dw, db, h, b):
     )
 
 
-def _scaled_bias(b, inv_tau, cap=None):
-    """The bias as :func:`_block` adds it: fp32 ``b``, or ``b / cap`` under a soft cap."""
-    del inv_tau  # applied after the bias (:func:`_block`)
+def _scaled_bias(b, cap=None):
+    """The bias as :func:`_block` adds it: fp32 ``b`` (``1 / tau`` comes after it), or
+    ``b / cap`` under a soft cap."""
     return None if b is None else b.float() * (1.0 if cap is None else 1.0 / cap)
 
 
@@ -409,7 +409,7 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc, cap):
         inv_tau = 1.0 / tau
-        b_s = _scaled_bias(b, inv_tau, cap)
+        b_s = _scaled_bias(b, cap)
         with device_guard(h):
             logp, ent, stats = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap)
         ctx.save_for_backward(h, w, b, labels, stats, ent)
@@ -431,7 +431,7 @@ class _LinearLogProbs(torch.autograd.Function):
             dh, dw, db = _backward(
                 h,
                 w,
-                _scaled_bias(b, inv_tau, cap),
+                _scaled_bias(b, cap),
                 labels,
                 inv_tau,
                 tc,
@@ -491,7 +491,7 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs):
     inv_tau = 1.0 / tau
     T, H = h.shape
     V = w.shape[0]
-    b_s = _scaled_bias(b, inv_tau, cap)
+    b_s = _scaled_bias(b, cap)
     # dhidden rows are final after their chunk (whole vocabulary per block): input dtype
     dh = torch.empty_like(h) if needs[0] else None
     _, dw, db = _new_grads(h, w, (False, needs[1], needs[2]))
@@ -586,7 +586,7 @@ def _loss_with_grads(h, w, b, lab, wt, temperature, softcap, needs, ppo=None):
         loss, dh, dw, db = _fused_loss(hh, w, b, ll, tau, tc, token_loss, cap, needs)
     else:  # vocabulary too large for one block: blocks, then the backward with d loss / d logp
         tc, vc = _chunk_sizes(n, H, V, cpu)
-        b_s = _scaled_bias(b, 1.0 / tau, cap)
+        b_s = _scaled_bias(b, cap)
         logp, ent, stats = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap)
         every = slice(0, n)
         loss, dh, dw, db = token_loss[0](logp, every), None, None, None
@@ -640,7 +640,7 @@ def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None):
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     inv_tau = 1.0 / float(temperature)
-    b_s = _scaled_bias(bias, inv_tau, cap)
+    b_s = _scaled_bias(bias, cap)
     return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False, cap)[0]
 
 
