@@ -261,9 +261,11 @@ def test_bf16_shared_targets_weight_gradient_summed_in_fp32(kw):
     ours, plain = grads(torch.bfloat16, True), grads(torch.bfloat16, False)
     err = [(a - e).abs().max().item() for a, e in zip(ours, exact)]
     ref = [(a - e).abs().max().item() for a, e in zip(plain, exact)]
-    # measured 2.2x / 1.6x (smoothing), 1.4x / 1.0x (z-loss); each of the loss's terms reaches
-    # the weight as its own bf16 gradient, summed by autograd (33x to 680x before)
-    assert err[0] <= 2.5 * ref[0] and err[1] <= 2.5 * ref[1], (err, ref)
+    # measured 1.0x / 1.0x (smoothing: inside the one pass, the weight gradient rounded once;
+    # 2.2x / 1.6x as its own autograd term), 1.4x / 1.0x (z-loss: its own bf16 gradient, summed
+    # by autograd; 33x to 680x when that sum ran in bf16)
+    bound = 1.25 if "label_smoothing" in kw else 2.0
+    assert err[0] <= bound * ref[0] and err[1] <= bound * ref[1], (err, ref)
 
 
 @pytest.mark.parametrize("kw", [dict(label_smoothing=0.1), dict(lse_square_scale=1e-3)])

@@ -9,7 +9,10 @@ The ``(tokens, vocab)`` logits never exist: ``reduction="mean"|"sum"`` runs
 :func:`~rlhf_kernels.ops.linear_logprobs.linear_nll_loss` (gradients made in the forward, fp32
 weight-gradient accumulation), ``reduction="none"`` runs ``linear_logprobs`` (per-token values).
 Label smoothing needs no logits either: with ``u = h W^T + b``,
-``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``, and
+``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``. For
+``"mean"`` / ``"sum"`` without the per-token options below, ``linear_nll_loss`` adds it inside
+its one pass (row means of each fp32 logits block; ``dU`` gains ``e (onehot - 1 / V)``, so the
+weight gradient is rounded once). Elsewhere it is its own term:
 ``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product. ``softcap``
 (Gemma 2's final logit soft-capping, ``u = c tanh(z / c)``) runs inside the fused op; with it
 that mean is no longer linear in ``h``: with label smoothing it takes its own chunked pass
@@ -136,10 +139,13 @@ def fused_linear_cross_entropy(
     elif reduction == "none":
         nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
     else:
-        # as one padded row: tokens with an ignored target (pads, prompts) skip the matmuls
+        # as one padded row: tokens with an ignored target (pads, prompts) skip the matmuls;
+        # label smoothing inside its one pass (the weight gradient rounded once, as torch's)
         nll = linear_nll_loss(
-            h[None], weight, y[None], bias=bias, ignore_index=ignore_index, softcap=softcap
-        )
+            h[None], weight, y[None], bias=bias, ignore_index=ignore_index, softcap=softcap,
+            label_smoothing=label_smoothing,
+        )  # fmt: skip
+        label_smoothing = 0.0  # inside already
         if reduction == "sum":
             nll = nll * keep.sum()
     if return_z_loss and z_loss is None:  # asked for with weight 0: zeros, one-pass loss kept
@@ -254,7 +260,7 @@ def _target_logit(h, w, y_safe, b, softcap):
     return u_y if softcap is None else softcap * torch.tanh(u_y / softcap)
 
 
-# fp32 elements of one vocabulary slab of _GatherRows' backward (64 MiB)
+# elements of one vocabulary slab: _GatherRows' backward (fp32, 64 MiB), _row_sum (fp64, 128 MiB)
 _SCATTER_ELEMS = 1 << 24
 
 

@@ -62,7 +62,7 @@ import os
 
 import torch
 
-from rlhf_kernels._checks import check_mask, device_guard, is_real
+from rlhf_kernels._checks import check_mask, device_guard, is_real, is_scalar
 from rlhf_kernels.ops.logprobs import IGNORE_INDEX, check_label_range, fix_masked, mask_labels
 
 try:
@@ -207,11 +207,12 @@ if triton is not None:
         tl.store(ULAB + r, tl.load(ULAB + r) + tl.where(here, u_lab, 0.0))
 
     @triton.jit
-    def _grad_kernel(U, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, M, LOGS,
-                     HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    def _grad_kernel(U, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, M, LOGS, SM, inv_v,
+                     HAS_ENT: tl.constexpr, HAS_SM: tl.constexpr, BLOCK: tl.constexpr):
         """One row: ``dU = g_lp * (onehot - p) - g_ent * p * (log p + H)`` from the fp32 ``u``
         with ``log p = (u - m) - log s`` (rounded as ``log_softmax`` rounds it: ``u - lse``
-        loses ``|lse| * eps`` to one row-wide rounding), written in G's dtype."""
+        loses ``|lse| * eps`` to one row-wide rounding), plus ``c * (onehot - inv_v)`` (label
+        smoothing, ``c = SM[row]``) with ``HAS_SM``; written in G's dtype."""
         r = tl.program_id(0)
         src = U + r.to(tl.int64) * stride_u
         dst = G + r.to(tl.int64) * stride_g
@@ -222,15 +223,21 @@ if triton is not None:
             ent = tl.load(ENT + r)
         m = tl.load(M + r)
         log_s = tl.load(LOGS + r)
+        hit = g_lp
+        if HAS_SM:
+            c = tl.load(SM + r)
+            hit += c
         cols = tl.arange(0, BLOCK)
         for c0 in range(0, nv, BLOCK):
             idx = c0 + cols
             ok = idx < nv
             lp = tl.maximum((tl.load(src + idx, mask=ok, other=0.0) - m) - log_s, -3.0e38)
             p = tl.exp(lp)
-            g = tl.where(idx == lab, g_lp, 0.0) - p * g_lp
+            g = tl.where(idx == lab, hit, 0.0) - p * g_lp
             if HAS_ENT:
                 g -= g_ent * p * (lp + ent)
+            if HAS_SM:
+                g -= c * inv_v
             tl.store(dst + idx, g.to(G.dtype.element_ty), mask=ok)
     # fmt: on
 
@@ -369,7 +376,8 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs
                 _grad_kernel[(u.shape[0],)](
                     u, u.stride(0), g, g.stride(0), nv, lab - v0, g_lp[sl],
                     g_ent[sl] if has_ent else g_lp[sl], ent[sl] if has_ent else g_lp[sl],
-                    stats[0, sl], stats[1, sl], HAS_ENT=has_ent, BLOCK=_row_block(nv),
+                    stats[0, sl], stats[1, sl], g_lp[sl], 0.0, HAS_ENT=has_ent, HAS_SM=False,
+                    BLOCK=_row_block(nv),
                 )  # fmt: skip
             else:
                 logp = u.sub_(stats[0, sl, None]).sub_(stats[1, sl, None])  # (n, nv) log p
@@ -455,14 +463,14 @@ class _FusedLinearLoss(torch.autograd.Function):
     the chunk's log-sum-exp and folded into ``dhidden`` / ``dweight``: 3 matmuls instead of 4.
     Needs the whole vocabulary in one block.
     ``token_loss = (loss, grad)``: the loss must be a sum over tokens (weights precomputed), so
-    chunks add up.
+    chunks add up. ``smooth``: None or per-row label-smoothing weights (see :func:`_fused_loss`).
     """
 
     @staticmethod
-    def forward(ctx, h, w, b, labels, tau, tc, token_loss, cap):
+    def forward(ctx, h, w, b, labels, tau, tc, token_loss, cap, smooth):
         ng = ctx.needs_input_grad  # grad mode and requires_grad, as seen by autograd
         needs = (ng[0], ng[1], b is not None and ng[2])
-        loss, *grads = _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs)
+        loss, *grads = _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, smooth)
         # a plain attribute, not save_for_backward: backward hands these very tensors to
         # autograd (scaled in place), which can then keep them as .grad without a copy
         ctx.grads = grads
@@ -479,15 +487,18 @@ class _FusedLinearLoss(torch.autograd.Function):
             )
         out = tuple(None if t is None else t.mul_(g.to(t.dtype)) for t in grads)
         del grads
-        return out + (None,) * 5
+        return out + (None,) * 6
 
 
-def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs):
+def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, smooth=None):
     """``_FusedLinearLoss``'s forward: ``(loss, dh, dw, db)`` with the gradients (of the inputs
     whose ``needs`` entry is True, else None) made chunk by chunk in the same pass.
     ``token_loss``: ``(loss(logp, rows), grad(logp, rows))`` from :func:`_token_loss`; the
     closed-form ``d loss / d logp`` also works inside a custom op's body (below the autograd key,
-    where ``torch.autograd.grad`` would record nothing)."""
+    where ``torch.autograd.grad`` would record nothing).
+    ``smooth``: None or fp32 ``(T,)`` weights ``s``: the loss gains ``sum s * (u_y - mean_v u)``
+    (label smoothing, ``u`` the block's logits) and ``dU`` gains ``s * (onehot - 1 / V)``, in the
+    same fp32 block, so the weight gradient is rounded once (as plain torch's)."""
     inv_tau = 1.0 / tau
     T, H = h.shape
     V = w.shape[0]
@@ -511,6 +522,12 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs):
             sl = slice(t0, t0 + hc.shape[0])
             u = _block(buf_u, hc, w, b_s, inv_tau, cap=cap)
             fac = None if cap is None or not any(needs) else _cap_factor(buf_f, u, inv_tau, cap)
+            c = None
+            if smooth is not None:  # before _chunk_logp, which may overwrite u
+                s_w = smooth[sl]
+                gap = u.gather(1, lab[:, None])[:, 0] - u.mean(1)
+                loss += torch.where(s_w != 0, s_w * gap, 0.0).sum()
+                c = (s_w * inv_tau).contiguous()  # d/dz of s * (u_y - mean u) is c * (1_y - 1/V)
             logp, stats, p_sum = _chunk_logp(u, lab, fast)
             loss += loss_fn(logp, sl).float()
             if not any(needs):
@@ -520,10 +537,14 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs):
                 g = _view(buf_p, u)
                 _grad_kernel[(u.shape[0],)](
                     u, u.stride(0), g, g.stride(0), V, lab, g_lp, g_lp, g_lp, *stats,
-                    HAS_ENT=False, BLOCK=_row_block(V),
+                    g_lp if c is None else c, 1.0 / V, HAS_ENT=False, HAS_SM=c is not None,
+                    BLOCK=_row_block(V),
                 )  # fmt: skip
             else:  # u holds exp(u - max) here
                 g = u.mul_((-g_lp / p_sum)[:, None])  # -g_lp * softmax / tau
+                if c is not None:
+                    g.sub_(c[:, None] / V)
+                    g_lp = g_lp + c
                 g.scatter_add_(1, lab[:, None], g_lp[:, None])
                 if fac is not None:
                     g.mul_(fac)
@@ -792,6 +813,7 @@ def linear_nll_loss(
     *,
     group=None,
     softcap: float | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """SFT loss without logits: ``-sum(mask * logp) / sum(mask)``.
 
@@ -799,6 +821,9 @@ def linear_nll_loss(
     ``mask`` (labels' shape, 0/1 bool or numeric) selects the tokens that count (default: all);
     tokens whose label is ``ignore_index`` never count (as in ``F.cross_entropy``); ``softcap``
     as in :func:`linear_logprobs`.
+    ``label_smoothing``: ``e`` in ``[0, 1]``, ``F.cross_entropy``'s meaning: each token's
+    ``-logp`` becomes ``(1 - e) (-logp_y) + e mean_v(-logp_v) = -logp_y + e (u_y - mean_v u_v)``
+    (``u`` the logits after temperature and soft cap); in the one pass it costs no matmul.
     ``group``: a ring (or any) process group whose ranks each hold a shard of the tokens: the
     denominator becomes the token count summed over the group (one all-reduce of a scalar), so
     the ranks' losses add up to the single-device loss and their gradients, summed over the
@@ -810,6 +835,8 @@ def linear_nll_loss(
     ``rlhf_kernels::linear_loss_fwd`` op); otherwise this is ``linear_logprobs`` + a sum.
     """
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
+    if not (is_scalar(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
     if mask is not None and mask.shape != labels.shape:
         raise ValueError(
             f"mask must have labels' shape {tuple(labels.shape)}, got {tuple(mask.shape)}"
@@ -823,7 +850,8 @@ def linear_nll_loss(
         m = m.masked_fill(ignored, 0.0)
     wt = m / _token_count(m, group)  # per-token weight of -logp in the loss
     hidden, lab, (wt, bad) = _live_rows(hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad,))
-    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap)
+    smooth = float(label_smoothing)
+    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth=smooth)
     return _nan_if_bad(loss, bad, wt)
 
 
@@ -931,13 +959,23 @@ def _live_rows(hidden, lab, wt, padded, more=()):
     return pick(hidden), pick(lab), tuple(pick(t) for t in (wt, *more))
 
 
-def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=None):
+def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=None, smooth=0.0):
     """``_token_loss(wt, ppo)`` over all rows (gatherable labels ``lab``): one pass with
     gradients made in the forward when the vocabulary fits one block (under torch.compile the
     ``rlhf_kernels::linear_loss_fwd`` op, which also skips rows with ``wt == 0``), else
-    ``linear_logprobs`` + autograd; forward only without grad."""
+    ``linear_logprobs`` + autograd; forward only without grad. ``smooth``: label smoothing
+    ``e``, adding ``e * sum wt * (u_y - mean_v u)``: inside the one pass in eager mode, else
+    its own term (:func:`_smoothing_loss`)."""
     T, H = hidden.shape
     cap = None if softcap is None else float(softcap)
+    cpu = hidden.device.type == "cpu"
+    if smooth and (
+        torch.compiler.is_compiling()
+        or not _grad_wanted(hidden, weight, bias)
+        or not _fits_one_pass(T, H, weight.shape[0], cpu)[0]
+    ):  # no fused pass with gradients to fold it into
+        extra = _smoothing_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth)
+        return _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap, ppo) + extra
     if torch.compiler.is_compiling():  # traced: one opaque op, gradients made in its forward
         from rlhf_kernels.ops.compiled import linear_loss_fwd
 
@@ -953,15 +991,24 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
     if not _grad_wanted(hidden, weight, bias):  # forward only, nothing saved
         logp = _logprobs_no_grad(hidden, weight, lab, bias, temperature, cap)
         return loss_fn(logp, slice(0, T))
-    one_pass, tc = _fits_one_pass(T, H, weight.shape[0], hidden.device.type == "cpu")
+    one_pass, tc = _fits_one_pass(T, H, weight.shape[0], cpu)
     if one_pass:
-        tau = float(temperature)
-        return _FusedLinearLoss.apply(hidden, weight, bias, lab, tau, tc, token_loss, cap)
+        tau, sw = float(temperature), (smooth * wt).float() if smooth else None
+        return _FusedLinearLoss.apply(hidden, weight, bias, lab, tau, tc, token_loss, cap, sw)
     # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
     logp = linear_logprobs(
         hidden, weight, lab, bias, temperature, ignore_index=None, softcap=softcap
     )
     return loss_fn(logp, slice(0, T))
+
+
+def _smoothing_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth):
+    """``smooth * sum_t wt_t * (u_y - mean_v u_v)`` with autograd (its own fp32 passes, see
+    ``fused_linear_ce._smoothing_term``), for the paths that do not fold it into one pass."""
+    from rlhf_kernels.ops.fused_linear_ce import _smoothing_term
+
+    gap = _smoothing_term(hidden, weight, lab, bias, wt != 0, "none", softcap=softcap)
+    return smooth / float(temperature) * (gap * wt).sum()
 
 
 def _nan_if_bad(loss, bad, wt):

@@ -318,13 +318,11 @@ def _check_inputs(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
             f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}"
         )
-    longest_qk = []
-    for name, given, cu in (
-        ("max_seqlen_q", max_seqlen_q, cu_q),
-        ("max_seqlen_k", max_seqlen_k, cu_k),
+    longest_q, longest_k = _longest(cu_q), _longest(cu_k)
+    for name, given, longest in (
+        ("max_seqlen_q", max_seqlen_q, longest_q),
+        ("max_seqlen_k", max_seqlen_k, longest_k),
     ):
-        longest = _longest(cu)
-        longest_qk.append(longest)
         if given is not None:
             try:
                 given = operator.index(given)  # int, numpy int, 0-d integer tensor
@@ -336,7 +334,7 @@ def _check_inputs(
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
     if not (is_scalar(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    return cu_q, cu_k, longest_qk[0], longest_qk[1], _window_pair(window_size)
+    return cu_q, cu_k, longest_q, longest_k, _window_pair(window_size)
 
 
 def _longest(cu: list[int]) -> int:
