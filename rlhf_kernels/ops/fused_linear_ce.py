@@ -9,10 +9,10 @@ The ``(tokens, vocab)`` logits never exist: ``reduction="mean"|"sum"`` runs
 :func:`~rlhf_kernels.ops.linear_logprobs.linear_nll_loss` (gradients made in the forward, fp32
 weight-gradient accumulation), ``reduction="none"`` runs ``linear_logprobs`` (per-token values).
 Label smoothing needs no logits either: with ``u = h W^T + b``,
-``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``. For
-``"mean"`` / ``"sum"`` without the per-token options below, ``linear_nll_loss`` adds it inside
-its one pass (row means of each fp32 logits block; ``dU`` gains ``e (onehot - 1 / V)``, so the
-weight gradient is rounded once). Elsewhere it is its own term:
+``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``. Without
+class weights it is read from the log-prob op's own fp32 logits blocks (row sums; ``dU`` gains
+``e (onehot - 1 / V)`` in the same backward, or in ``linear_nll_loss``'s one pass), so the weight
+gradient is rounded once. With class weights or under torch.compile it is its own term:
 ``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product. ``softcap``
 (Gemma 2's final logit soft-capping, ``u = c tanh(z / c)``) runs inside the fused op; with it
 that mean is no longer linear in ``h``: with label smoothing it takes its own chunked pass
@@ -136,6 +136,11 @@ def fused_linear_cross_entropy(
             lse_square_scale, ce_weight, use_token_scaling,
         )  # fmt: skip
         label_smoothing = 0.0  # inside already
+    elif reduction == "none" and label_smoothing and not torch.compiler.is_compiling():
+        # both terms from the same blocks, one backward: the weight gradient is rounded once
+        logp, gap = lse_mod._logprobs_with_gap(h, weight, y, bias, ignore_index, softcap)
+        nll = torch.where(keep, label_smoothing * gap - logp, 0.0)
+        label_smoothing = 0.0  # inside already
     elif reduction == "none":
         nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
     else:
@@ -188,15 +193,22 @@ def _per_token_loss(
 ):  # fmt: skip
     """Loss and z-loss, reduced, from per-token log-probs (class weights, token scaling,
     z-loss; see the module docstring). fp32."""
-    logp = linear_logprobs(h, w, y, b, ignore_index=ignore_index, softcap=softcap)
+    # smoothing without class weights: its term from linear_logprobs' own blocks (eager)
+    fold = bool(eps) and cw is None and not torch.compiler.is_compiling()
+    if fold:
+        logp, gap = lse_mod._logprobs_with_gap(h, w, y, b, ignore_index, softcap)
+    else:
+        logp = linear_logprobs(h, w, y, b, ignore_index=ignore_index, softcap=softcap)
     y_safe = _safe_targets(y, keep, w.shape[0])
     # u_y (capped under a soft cap): the z-loss's lse and the smoothing term both use it
-    u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or eps else None
+    u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or (eps and not fold) else None
     # where, not a product: a non-finite hidden state at an ignored token must not reach it
     lse = torch.where(keep, u_y - logp, 0.0) if u_y is not None else None
     if cw is None:
         tok = -logp
-        if eps:
+        if fold:
+            tok = tok + eps * torch.where(keep, gap, 0.0)
+        elif eps:
             tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none", u_y, softcap)
         denom = keep.sum()
     else:

@@ -20,6 +20,9 @@ When the result is a scalar loss the upstream gradient is one number, so ``linea
 (SFT) and ``linear_policy_loss`` (PPO) do compute gradients in the forward, in one pass
 (``_FusedLinearLoss``, 3 matmuls), whenever the whole vocabulary fits one block; under
 ``no_grad`` / ``inference_mode``, or when no input requires grad, they run the forward only.
+Label smoothing (``linear_nll_loss(label_smoothing=)``, the fused cross-entropy) needs
+``gap = u_y - mean_v u_v`` per token: the forward also sums each block's rows, the backward
+adds ``g_gap * (onehot - 1 / V)`` to ``dU`` (in the one pass: ``e * wt`` for ``g_gap``).
 
 Chunk rule (``_chunk_sizes``): a block budget of ``B = max(T * H, 2**22)`` fp32 elements (as
 large as the hidden states themselves, at least 16 MiB; on CPU also at least ``min(T, 256) * V``,
@@ -174,20 +177,24 @@ def _block(buf, hc, wc, b_s, inv_tau, cap=None):
 if triton is not None:
     # fmt: off
     @triton.jit
-    def _stats_kernel(U, stride_u, nv, LAB, M, S, TT, ULAB, WANT_ENT: tl.constexpr,
-                      BLOCK: tl.constexpr):
+    def _stats_kernel(U, stride_u, nv, LAB, M, S, TT, ULAB, USUM, WANT_ENT: tl.constexpr,
+                      WANT_SUM: tl.constexpr, BLOCK: tl.constexpr):
         """One row of a fp32 logits block: online update of the running max ``m``, ``s = sum
-        exp(u - m)``, ``t = sum exp(u - m) (u - m)``, and pick ``u[label]`` if it is here."""
+        exp(u - m)``, ``t = sum exp(u - m) (u - m)`` (and ``USUM += sum u`` with ``WANT_SUM``),
+        and pick ``u[label]`` if it is here."""
         r = tl.program_id(0)
         row = U + r.to(tl.int64) * stride_u
         m = tl.load(M + r)
         s = tl.load(S + r)
         t = tl.load(TT + r)
         lab = tl.load(LAB + r)  # label - v0 (outside [0, nv): not in this block)
+        total = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
         cols = tl.arange(0, BLOCK)
         for c0 in range(0, nv, BLOCK):
             ok = c0 + cols < nv
             u = tl.load(row + c0 + cols, mask=ok, other=float("-inf"))
+            if WANT_SUM:
+                total += tl.sum(tl.where(ok, u, 0.0), 0)
             m_new = tl.maximum(m, tl.max(u, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             live = m > float("-inf")
@@ -202,6 +209,8 @@ if triton is not None:
         tl.store(M + r, m)
         tl.store(S + r, s)
         tl.store(TT + r, t)
+        if WANT_SUM:
+            tl.store(USUM + r, tl.load(USUM + r) + total)
         here = (lab >= 0) & (lab < nv)
         u_lab = tl.load(row + tl.where(here, lab, 0))
         tl.store(ULAB + r, tl.load(ULAB + r) + tl.where(here, u_lab, 0.0))
@@ -271,7 +280,10 @@ def _label_in_chunk(lab, v0, nv):
     return idx.clamp(0, nv - 1)[:, None], (idx >= 0) & (idx < nv)
 
 
-def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None):
+def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None, gap=None):
+    """``(logp, entropy or None, stats)`` of every row, one ``(tc, vc)`` block at a time;
+    ``gap``: None or an fp32 ``(T,)`` tensor that receives ``u_y - mean_v u_v`` (the label-
+    smoothing term)."""
     T, V = h.shape[0], w.shape[0]
     stats = torch.empty(2, T, dtype=torch.float32, device=h.device)  # row max m, log s
     logp, ent = torch.empty_like(stats[0]), torch.empty_like(stats[0])
@@ -283,18 +295,21 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None):
         n = hc.shape[0]
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
         s, t, u_lab = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+        u_sum = None if gap is None else torch.zeros_like(m)
         for v0 in range(0, V, vc):
             bc = None if b_s is None else b_s[v0 : v0 + vc]
             u = _block(buf_u, hc, w[v0 : v0 + vc], bc, inv_tau, cap=cap)
             if fast:
                 nv = u.shape[1]
                 _stats_kernel[(n,)](
-                    u, u.stride(0), nv, lab - v0, m, s, t, u_lab, WANT_ENT=want_entropy,
-                    BLOCK=_row_block(nv),
+                    u, u.stride(0), nv, lab - v0, m, s, t, u_lab, m if u_sum is None else u_sum,
+                    WANT_ENT=want_entropy, WANT_SUM=u_sum is not None, BLOCK=_row_block(nv),
                 )  # fmt: skip
                 continue
             col, here = _label_in_chunk(lab, v0, u.shape[1])
             u_lab += torch.where(here, u.gather(1, col)[:, 0], 0.0)
+            if u_sum is not None:
+                u_sum += u.sum(1)
             m_new = torch.maximum(m, u.amax(1))
             # -inf logits (e.g. a -inf bias masking vocab) give e = 0 and never 0 * -inf
             m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
@@ -314,6 +329,8 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None):
         stats[0, sl], stats[1, sl] = m, log_s
         logp[sl] = (u_lab - m) - log_s  # as log_softmax rounds it (u - lse loses |lse| * eps)
         ent[sl] = log_s - t / s
+        if gap is not None:
+            gap[sl] = u_lab - u_sum / V
     return logp, (ent if want_entropy else None), stats
 
 
@@ -338,8 +355,11 @@ def _accumulate(g, hc, wc, dh_c, acc):
         _mm_f32(gd.T, hc, acc, add=acc)
 
 
-def _backward(h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs, cap=None):
-    """Gradients (dhidden, dweight, dbias) for upstream g_lp (T,) and g_ent (T,) or None.
+def _backward(
+    h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs, cap=None, g_gap=None
+):  # fmt: skip
+    """Gradients (dhidden, dweight, dbias) for upstream g_lp (T,), g_ent (T,) or None and
+    g_gap (T,) or None (of ``_forward``'s ``gap``: ``dU += g_gap * (onehot - 1 / V)``).
 
     Vocab chunks outer, token chunks inner: the fp32 weight-gradient accumulator is one
     ``(Vc, H)`` chunk (written in place when weight is fp32), ``dhidden`` is fp32 ``(T, H)``.
@@ -349,6 +369,7 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs
     dh, dw, db = _new_grads(h, w, needs)
     g_lp = (g_lp * inv_tau).contiguous()  # d u / d z = 1 / tau folded into the upstream grads
     g_ent = None if g_ent is None else (g_ent * inv_tau).contiguous()
+    c = None if g_gap is None else (g_gap * inv_tau).contiguous()
     buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
     fast = _use_triton(h) and cap is None  # soft cap: torch passes (one more factor per block)
     # fast path: dU is written straight in the matmul dtype
@@ -376,8 +397,8 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs
                 _grad_kernel[(u.shape[0],)](
                     u, u.stride(0), g, g.stride(0), nv, lab - v0, g_lp[sl],
                     g_ent[sl] if has_ent else g_lp[sl], ent[sl] if has_ent else g_lp[sl],
-                    stats[0, sl], stats[1, sl], g_lp[sl], 0.0, HAS_ENT=has_ent, HAS_SM=False,
-                    BLOCK=_row_block(nv),
+                    stats[0, sl], stats[1, sl], g_lp[sl] if c is None else c[sl], 1.0 / V,
+                    HAS_ENT=has_ent, HAS_SM=c is not None, BLOCK=_row_block(nv),
                 )  # fmt: skip
             else:
                 logp = u.sub_(stats[0, sl, None]).sub_(stats[1, sl, None])  # (n, nv) log p
@@ -387,8 +408,12 @@ def _backward(h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs
                     g.addcmul_(p, g_lp[sl, None], value=-1.0)
                 else:
                     g = p.mul_(-g_lp[sl, None])
+                hit = g_lp[sl]
+                if c is not None:  # smoothing term: c * (onehot - 1 / V)
+                    g.sub_(c[sl, None] / V)
+                    hit = hit + c[sl]
                 col, here = _label_in_chunk(lab, v0, nv)
-                g.scatter_add_(1, col, torch.where(here, g_lp[sl], 0.0)[:, None])
+                g.scatter_add_(1, col, torch.where(here, hit, 0.0)[:, None])
                 if cap is not None:
                     g.mul_(fac)
             if db is not None:
@@ -414,18 +439,23 @@ def _scaled_bias(b, cap=None):
 
 
 class _LinearLogProbs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc, cap):
-        inv_tau = 1.0 / tau
-        b_s = _scaled_bias(b, cap)
-        with device_guard(h):
-            logp, ent, stats = _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap)
-        ctx.save_for_backward(h, w, b, labels, stats, ent)
-        ctx.cfg = (inv_tau, tc, vc, cap)
-        return logp, ent
+    """``(logp, entropy or None, gap or None)`` (``gap = u_y - mean_v u_v`` with ``want_gap``)."""
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent):
+    def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc, cap, want_gap=False):
+        inv_tau = 1.0 / tau
+        b_s = _scaled_bias(b, cap)
+        gap = torch.empty(h.shape[0], dtype=torch.float32, device=h.device) if want_gap else None
+        with device_guard(h):
+            logp, ent, stats = _forward(
+                h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap, gap
+            )  # fmt: skip
+        ctx.save_for_backward(h, w, b, labels, stats, ent)
+        ctx.cfg = (inv_tau, tc, vc, cap)
+        return logp, ent, gap
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, g_gap=None):
         h, w, b, labels, stats, ent = ctx.saved_tensors
         inv_tau, tc, vc, cap = ctx.cfg
         if g_lp is None:
@@ -450,8 +480,9 @@ class _LinearLogProbs(torch.autograd.Function):
                 None if g_ent is None else g_ent.float(),
                 needs,
                 cap,
+                None if g_gap is None else g_gap.float(),
             )
-        return (*_cast_grads(dh, dw, db, h, b), None, None, None, None, None, None)
+        return (*_cast_grads(dh, dw, db, h, b), *(None,) * 7)
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -630,7 +661,7 @@ def _chunk_logp(u, lab, fast):
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=u.device)
         s, t, u_lab = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
         _stats_kernel[(n,)](
-            u, u.stride(0), u.shape[1], lab, m, s, t, u_lab, WANT_ENT=False,
+            u, u.stride(0), u.shape[1], lab, m, s, t, u_lab, m, WANT_ENT=False, WANT_SUM=False,
             BLOCK=_row_block(u.shape[1]),
         )  # fmt: skip
         log_s = torch.log(s)
@@ -654,15 +685,16 @@ def _grad_wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None):
-    """Forward only (no_grad / inference_mode / nothing requires grad): ``(T,)`` fp32 logp.
+def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None, gap=None):
+    """Forward only (no_grad / inference_mode / nothing requires grad): ``(T,)`` fp32 logp
+    (and ``u_y - mean_v u_v`` into ``gap`` when given, see ``_forward``).
 
     No gradient buffers, no saved tensors, no extra matmuls."""
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     inv_tau = 1.0 / float(temperature)
     b_s = _scaled_bias(bias, cap)
-    return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False, cap)[0]
+    return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False, cap, gap)[0]
 
 
 # ----------------------------------------------------------------------------- API
@@ -794,11 +826,26 @@ def linear_logprobs(
             hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc, cap
         )
     else:
-        logp, ent = _LinearLogProbs.apply(
+        logp, ent, _ = _LinearLogProbs.apply(
             hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc, cap
         )
     logp = fix_masked(logp, ignored, bad).view(lead)
     return (logp, ent.view(lead)) if return_entropy else logp
+
+
+def _logprobs_with_gap(hidden, weight, labels, bias, ignore_index, softcap):
+    """Eager ``(logp, gap)`` of packed ``(T, H)`` hidden: ``linear_logprobs`` and the label-
+    smoothing term ``gap = u_y - mean_v u_v`` (0 at ignored labels) from the same blocks, with one
+    backward for both (the weight gradient is rounded once, not once per term)."""
+    _check(hidden, weight, labels, bias, 1.0, None, None, ignore_index, softcap)
+    cap = None if softcap is None else float(softcap)
+    T, H = hidden.shape
+    tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
+    lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
+    logp, _, gap = _LinearLogProbs.apply(hidden, weight, bias, lab, 1.0, False, tc, vc, cap, True)
+    if ignored is not None:
+        gap = torch.where(ignored, 0.0, gap)
+    return fix_masked(logp, ignored, bad), gap
 
 
 @under_autocast
@@ -964,47 +1011,49 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
     gradients made in the forward when the vocabulary fits one block (under torch.compile the
     ``rlhf_kernels::linear_loss_fwd`` op, which also skips rows with ``wt == 0``), else
     ``linear_logprobs`` + autograd; forward only without grad. ``smooth``: label smoothing
-    ``e``, adding ``e * sum wt * (u_y - mean_v u)``: inside the one pass in eager mode, else
-    its own term (:func:`_smoothing_loss`)."""
+    ``e``, adding ``e * sum wt * (u_y - mean_v u)`` from the same logits blocks (under
+    torch.compile its own term, :func:`_smoothing_loss`)."""
     T, H = hidden.shape
     cap = None if softcap is None else float(softcap)
-    cpu = hidden.device.type == "cpu"
-    if smooth and (
-        torch.compiler.is_compiling()
-        or not _grad_wanted(hidden, weight, bias)
-        or not _fits_one_pass(T, H, weight.shape[0], cpu)[0]
-    ):  # no fused pass with gradients to fold it into
-        extra = _smoothing_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth)
-        return _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap, ppo) + extra
     if torch.compiler.is_compiling():  # traced: one opaque op, gradients made in its forward
         from rlhf_kernels.ops.compiled import linear_loss_fwd
 
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         ref, adv, lo, hi, dual = (None, None, 0.0, 0.0, None) if ppo is None else ppo
-        return linear_loss_fwd(
+        loss = linear_loss_fwd(
             hidden, weight, bias, lab, wt, ref, adv, float(lo), float(hi),
             None if dual is None else float(dual), float(temperature), cap, needs,
         )[0]  # fmt: skip
+        if smooth:
+            loss = loss + _smoothing_loss(hidden, weight, bias, lab, temperature, wt, cap, smooth)
+        return loss
     token_loss = _token_loss(wt, ppo)
     loss_fn = token_loss[0]
-    if not _grad_wanted(hidden, weight, bias):  # forward only, nothing saved
-        logp = _logprobs_no_grad(hidden, weight, lab, bias, temperature, cap)
-        return loss_fn(logp, slice(0, T))
+    tau, cpu = float(temperature), hidden.device.type == "cpu"
     one_pass, tc = _fits_one_pass(T, H, weight.shape[0], cpu)
-    if one_pass:
-        tau, sw = float(temperature), (smooth * wt).float() if smooth else None
+    if one_pass and _grad_wanted(hidden, weight, bias):
+        sw = (smooth * wt).float() if smooth else None
         return _FusedLinearLoss.apply(hidden, weight, bias, lab, tau, tc, token_loss, cap, sw)
-    # vocab too large for one block (or the fp32 weight-gradient copy would not be small)
-    logp = linear_logprobs(
-        hidden, weight, lab, bias, temperature, ignore_index=None, softcap=softcap
-    )
-    return loss_fn(logp, slice(0, T))
+    # forward only (nothing saved), or a vocabulary too large for one block (or the fp32
+    # weight-gradient copy would not be small): log-probs + autograd
+    if not _grad_wanted(hidden, weight, bias):
+        gap = torch.empty(T, dtype=torch.float32, device=hidden.device) if smooth else None
+        logp = _logprobs_no_grad(hidden, weight, lab, bias, tau, cap, gap)
+    else:
+        tc, vc = _chunk_sizes(T, H, weight.shape[0], cpu)
+        logp, _, gap = _LinearLogProbs.apply(
+            hidden, weight, bias, lab, tau, False, tc, vc, cap, bool(smooth)
+        )  # fmt: skip
+    loss = loss_fn(logp, slice(0, T))
+    if smooth:
+        loss = loss + smooth * torch.where(wt != 0, wt * gap, 0.0).sum()
+    return loss
 
 
 def _smoothing_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth):
-    """``smooth * sum_t wt_t * (u_y - mean_v u_v)`` with autograd (its own fp32 passes, see
-    ``fused_linear_ce._smoothing_term``), for the paths that do not fold it into one pass."""
+    """``smooth * sum_t wt_t * (u_y - mean_v u_v)`` as its own term with autograd (fp32
+    passes, see ``fused_linear_ce._smoothing_term``): the traced path's."""
     from rlhf_kernels.ops.fused_linear_ce import _smoothing_term
 
     gap = _smoothing_term(hidden, weight, lab, bias, wt != 0, "none", softcap=softcap)
