@@ -280,13 +280,15 @@ def test_non_finite_hidden_state_at_an_ignored_token_stays_out_of_the_loss(kw):
         assert torch.isfinite(loss).all(), (kw, reduction)
 
 
-def _torch_tokens(x, w, b, y, smoothing, softcap=None, z_scale=0.0, scaling=False):
-    """Per-token Liger-style losses from materialised logits (0 at ignored targets)."""
+def _torch_tokens(x, w, b, y, smoothing, softcap=None, z_scale=0.0, scaling=False, cw=None):
+    """Per-token Liger-style losses from materialised logits (0 at ignored targets) and the
+    per-token weights of a ``"mean"``."""
     z = F.linear(x, w, b)
     z = z if z.dtype == torch.float64 else z.float()
     z = z if softcap is None else softcap * torch.tanh(z / softcap)
-    tok = F.cross_entropy(z, y, reduction="none", label_smoothing=smoothing)
-    keep = y != -100
+    cw = None if cw is None else cw.to(z.dtype)
+    tok = F.cross_entropy(z, y, weight=cw, reduction="none", label_smoothing=smoothing)
+    keep = y != -100 if cw is None else torch.where(y != -100, cw[y.clamp(0)], 0.0)
     if z_scale:
         tok = tok + z_scale * torch.logsumexp(z, -1).square() * keep
     if scaling:
@@ -297,12 +299,19 @@ def _torch_tokens(x, w, b, y, smoothing, softcap=None, z_scale=0.0, scaling=Fals
 @pytest.mark.parametrize("path", ["torch", "triton", "blocks"])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize(
-    "kw", [dict(reduction="none"), dict(lse_square_scale=1e-2), dict(use_token_scaling=True)]
+    "kw",
+    [
+        dict(reduction="none"),
+        dict(lse_square_scale=1e-2),
+        dict(use_token_scaling=True),
+        dict(ce_weight=True),
+        dict(ce_weight=True, reduction="none"),
+    ],
 )
 def test_per_token_label_smoothing_every_path(path, softcap, kw, monkeypatch):
-    """Label smoothing with the per-token op (reduction "none", z-loss, token scaling) comes
-    from linear_logprobs' own blocks (``_logprobs_with_gap``): torch and Triton gradient passes,
-    and a vocabulary split over blocks."""
+    """Label smoothing with the per-token op (reduction "none", z-loss, token scaling, class
+    weights) comes from linear_logprobs' own blocks (``_logprobs_aux``: lse, u_y and the
+    class-weighted logit sum): torch and Triton passes, and a vocabulary split over blocks."""
     from rlhf_kernels.ops import linear_logprobs as lp_mod
 
     if path == "triton":
@@ -317,17 +326,19 @@ def test_per_token_label_smoothing_every_path(path, softcap, kw, monkeypatch):
     y[[2, 9]] = -100
     up = torch.rand(40, generator=g)
     reduction = kw.get("reduction", "mean")
+    kw = dict(kw)  # the parameter's dict is shared by every path
+    cw = torch.rand(300, generator=g) + 0.5 if kw.pop("ce_weight", None) else None
 
     def run(dtype, ours):
         args = [t.to(dtype).clone().requires_grad_() for t in (x, w, b)]
         if ours:
             loss = fused_linear_cross_entropy(
-                args[0], args[1], y, args[2], label_smoothing=0.1, softcap=softcap, **kw
+                args[0], args[1], y, args[2], cw, label_smoothing=0.1, softcap=softcap, **kw
             )
         else:
             tok, keep = _torch_tokens(
                 *args, y, 0.1, softcap, kw.get("lse_square_scale", 0.0),
-                kw.get("use_token_scaling", False),
+                kw.get("use_token_scaling", False), cw,
             )  # fmt: skip
             loss = tok if reduction == "none" else tok.sum() / keep.sum()
         (loss * up if reduction == "none" else loss).sum().backward()
@@ -337,11 +348,20 @@ def test_per_token_label_smoothing_every_path(path, softcap, kw, monkeypatch):
         torch.testing.assert_close(a.double(), r, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("kw", [dict(reduction="none"), dict(lse_square_scale=1e-2)])
-def test_bf16_per_token_label_smoothing_gradients(kw):
-    """Per-token smoothing used to reach the weight and bias as separate bf16 gradients, summed
-    by autograd: measured 1.4x (weight, "none") and 7.3x (bias, with z-loss) plain torch's
-    error; now 1.0x / 1.0x (the z-loss's weight gradient, its own term, 1.8x)."""
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(reduction="none", label_smoothing=0.1),
+        dict(lse_square_scale=1e-2, label_smoothing=0.1),
+        dict(lse_square_scale=1e-2),
+        dict(ce_weight=True, label_smoothing=0.1),
+    ],
+)
+def test_bf16_per_token_terms_gradients(kw):
+    """Smoothing, z-loss and class-weighted smoothing used to reach the weight and bias as
+    separate bf16 gradients, summed by autograd: measured up to 2.1x (weight) and 7.3x (bias)
+    plain torch's error (1.4x / 1.0x, 1.8x / 7.3x, 1.7x / 2.6x, 1.7x / 4.5x); from the log-prob
+    op's own blocks, one backward: at most 1.0x."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 4096, 16, 37
     x = (torch.randn(n, h, generator=g) * 0.5 + 1.0).bfloat16()
@@ -351,13 +371,18 @@ def test_bf16_per_token_label_smoothing_gradients(kw):
     y[::7] = torch.randint(0, v, (len(y[::7]),), generator=g)
     y[::11] = -100
     up = torch.rand(n, generator=g)
+    kw = dict(kw)
+    cw = torch.rand(v, generator=g) + 0.5 if kw.pop("ce_weight", None) else None
 
     def grads(dtype, fused):
         ww, bb = (t.to(dtype).clone().requires_grad_() for t in (w, b))
         if fused:
-            loss = fused_linear_cross_entropy(x.to(dtype), ww, y, bb, label_smoothing=0.1, **kw)
+            loss = fused_linear_cross_entropy(x.to(dtype), ww, y, bb, cw, **kw)
         else:
-            tok, keep = _torch_tokens(x.to(dtype), ww, bb, y, 0.1, None, kw.get("lse_square_scale"))
+            tok, keep = _torch_tokens(
+                x.to(dtype), ww, bb, y, kw.get("label_smoothing", 0.0), None,
+                kw.get("lse_square_scale", 0.0), cw=cw,
+            )  # fmt: skip
             loss = tok if "reduction" in kw else tok.sum() / keep.sum()
         (loss * up.to(loss.dtype) if "reduction" in kw else loss).sum().backward()
         return ww.grad.double(), bb.grad.double()
@@ -366,5 +391,4 @@ def test_bf16_per_token_label_smoothing_gradients(kw):
     ours, plain = grads(torch.bfloat16, True), grads(torch.bfloat16, False)
     err = [(a - e).abs().max().item() for a, e in zip(ours, exact)]
     ref = [(a - e).abs().max().item() for a, e in zip(plain, exact)]
-    bounds = (1.25, 1.25) if "reduction" in kw else (2.0, 1.25)
-    assert all(e <= k * r for e, k, r in zip(err, bounds, ref)), (err, ref)
+    assert err[0] <= 1.25 * ref[0] and err[1] <= 1.25 * ref[1], (err, ref)

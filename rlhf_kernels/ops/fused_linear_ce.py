@@ -8,25 +8,24 @@ Switching from Liger is a change of import::
 The ``(tokens, vocab)`` logits never exist: ``reduction="mean"|"sum"`` runs
 :func:`~rlhf_kernels.ops.linear_logprobs.linear_nll_loss` (gradients made in the forward, fp32
 weight-gradient accumulation), ``reduction="none"`` runs ``linear_logprobs`` (per-token values).
-Label smoothing needs no logits either: with ``u = h W^T + b``,
-``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y + e (u_y - mean_v u_v)``. Without
-class weights it is read from the log-prob op's own fp32 logits blocks (row sums; ``dU`` gains
-``e (onehot - 1 / V)`` in the same backward, or in ``linear_nll_loss``'s one pass), so the weight
-gradient is rounded once. With class weights or under torch.compile it is its own term:
-``mean_v u_v = h . mean_v W_v + mean_v b_v`` is one ``(T, H) x (H,)`` product. ``softcap``
-(Gemma 2's final logit soft-capping, ``u = c tanh(z / c)``) runs inside the fused op; with it
-that mean is no longer linear in ``h``: with label smoothing it takes its own chunked pass
-(``_CappedLogitSum``: 1 matmul forward, 3 backward, no ``(T, V)`` tensor kept).
-The z-loss (``lse_square_scale * lse^2`` per token, Liger's / PaLM's) needs no logits either:
-``lse = u_y - logp_y``, with ``u_y = h . W_y + b_y`` a gather and a row dot product.
+With ``u = h W^T + b`` (capped under ``softcap``, Gemma 2's ``u = c tanh(z / c)``):
 
-Class weights ``ce_weight`` (``F.cross_entropy``'s ``weight``): token ``i`` counts
-``w_{y_i} (1 - e) (-logp_y) + e / V sum_v w_v (lse - u_v)``, where ``sum_v w_v u_v =
-h . (W^T w) + b . w`` is again one product (the chunked pass under a soft cap); ``"mean"``
-divides by the summed weight of the counted targets (the z-loss stays unweighted, as in
-Liger). ``use_token_scaling`` multiplies each token's loss by its detached target probability
-``exp(logp_y)``. z-loss, class weights and token scaling take the per-token op (4 matmuls
-instead of 3).
+- label smoothing: ``loss = (1 - e) (lse - u_y) + e (lse - mean_v u_v) = -logp_y +
+  e (u_y - mean_v u_v)``;
+- the z-loss (Liger's / PaLM's ``lse_square_scale * lse^2`` per token);
+- class weights ``ce_weight`` (``F.cross_entropy``'s ``weight``): token ``i`` counts
+  ``w_{y_i} (1 - e) (-logp_y) + e / V sum_v w_v (lse - u_v)``; ``"mean"`` divides by the summed
+  weight of the counted targets (the z-loss stays unweighted, as in Liger);
+- ``use_token_scaling``: each token's loss times its detached target probability ``exp(logp_y)``.
+
+All of them are made of ``lse``, ``u_y`` and ``sum_v w_v u_v`` per token, which the log-prob op
+reads from its own fp32 logits blocks (``linear_logprobs._logprobs_aux``; for plain smoothing
+with ``"mean"``/``"sum"``, ``linear_nll_loss``'s one pass), their gradients joining the
+log-prob's in one backward, so the weight gradient is rounded once (as plain torch's). The
+z-loss, class weights, token scaling and ``"none"`` with smoothing take the per-token op (4
+matmuls instead of 3). Under torch.compile each is its own term: ``u_y`` a gather and a row dot
+product, ``sum_v w_v u_v = h . (W^T w) + b . w`` one ``(T, H) x (H,)`` product, or under a soft
+cap a chunked pass (``_CappedLogitSum``: 1 matmul forward, 3 backward, no ``(T, V)`` tensor).
 ``return_token_accuracy`` / ``return_predicted_tokens`` take one more no-grad pass of
 row-chunked logits (argmax of the capped logits; memory bounded like the loss).
 """
@@ -130,17 +129,12 @@ def fused_linear_cross_entropy(
     h, y = input.reshape(-1, input.shape[-1]), target.reshape(-1)
     keep = y != ignore_index
     z_loss = None
-    if lse_square_scale or ce_weight is not None or use_token_scaling:
+    per_token = lse_square_scale or ce_weight is not None or use_token_scaling
+    if per_token or (reduction == "none" and label_smoothing):  # per-token values
         nll, z_loss = _per_token_loss(
             h, weight, y, bias, keep, ignore_index, label_smoothing, reduction, softcap,
             lse_square_scale, ce_weight, use_token_scaling,
         )  # fmt: skip
-        label_smoothing = 0.0  # inside already
-    elif reduction == "none" and label_smoothing and not torch.compiler.is_compiling():
-        # both terms from the same blocks, one backward: the weight gradient is rounded once
-        logp, gap = lse_mod._logprobs_with_gap(h, weight, y, bias, ignore_index, softcap)
-        nll = torch.where(keep, label_smoothing * gap - logp, 0.0)
-        label_smoothing = 0.0  # inside already
     elif reduction == "none":
         nll = -linear_logprobs(h, weight, y, bias, ignore_index=ignore_index, softcap=softcap)
     else:
@@ -150,14 +144,10 @@ def fused_linear_cross_entropy(
             h[None], weight, y[None], bias=bias, ignore_index=ignore_index, softcap=softcap,
             label_smoothing=label_smoothing,
         )  # fmt: skip
-        label_smoothing = 0.0  # inside already
         if reduction == "sum":
             nll = nll * keep.sum()
     if return_z_loss and z_loss is None:  # asked for with weight 0: zeros, one-pass loss kept
         z_loss = _reduce(torch.zeros(y.shape, device=h.device), keep, reduction)
-    if label_smoothing:
-        smooth = _smoothing_term(h, weight, y, bias, keep, reduction, softcap=softcap)
-        nll = nll + label_smoothing * smooth
     if reduction == "none":
         nll = nll.view(target.shape)
         z_loss = None if z_loss is None else z_loss.view(target.shape)
@@ -191,33 +181,35 @@ def _check_ce_weight(ce_weight, weight):
 def _per_token_loss(
     h, w, y, b, keep, ignore_index, eps, reduction, softcap, z_scale, cw, scaling
 ):  # fmt: skip
-    """Loss and z-loss, reduced, from per-token log-probs (class weights, token scaling,
-    z-loss; see the module docstring). fp32."""
-    # smoothing without class weights: its term from linear_logprobs' own blocks (eager)
-    fold = bool(eps) and cw is None and not torch.compiler.is_compiling()
-    if fold:
-        logp, gap = lse_mod._logprobs_with_gap(h, w, y, b, ignore_index, softcap)
+    """Loss and z-loss, reduced, from per-token values (class weights, token scaling, z-loss,
+    label smoothing; see the module docstring). fp32. Eager: ``logp``, ``lse``, ``u_y`` and
+    ``sum_v cw_v u_v`` all come from the log-prob op's blocks, with one backward (the weight
+    gradient rounded once); traced: each from its own pass."""
+    V = w.shape[0]
+    cw = None if cw is None else cw.detach().float()  # constants (torch refuses their gradient)
+    y_safe = _safe_targets(y, keep, V)
+    if not torch.compiler.is_compiling():
+        logp, lse, u_y, wsum = lse_mod._logprobs_aux(
+            h, w, y, b, ignore_index, softcap, cw if eps else None
+        )  # fmt: skip
     else:
         logp = linear_logprobs(h, w, y, b, ignore_index=ignore_index, softcap=softcap)
-    y_safe = _safe_targets(y, keep, w.shape[0])
-    # u_y (capped under a soft cap): the z-loss's lse and the smoothing term both use it
-    u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or (eps and not fold) else None
+        # u_y (capped under a soft cap): the z-loss's lse and the smoothing term use it
+        u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or eps else None
+        lse = None if u_y is None else u_y - logp
+        wsum = _logit_sum(h, w, b, softcap, cw) if eps else None
     # where, not a product: a non-finite hidden state at an ignored token must not reach it
-    lse = torch.where(keep, u_y - logp, 0.0) if u_y is not None else None
+    lse = None if lse is None else torch.where(keep, lse, 0.0)
     if cw is None:
         tok = -logp
-        if fold:
-            tok = tok + eps * torch.where(keep, gap, 0.0)
-        elif eps:
-            tok = tok + eps * _smoothing_term(h, w, y, b, keep, "none", u_y, softcap)
+        if eps:  # e (u_y - mean_v u_v)
+            tok = tok + eps * torch.where(keep, u_y - wsum / V, 0.0)
         denom = keep.sum()
     else:
-        cw = cw.detach().float()  # class weights are constants (torch refuses their gradient)
         w_y = cw[y_safe] * keep
         tok = (1.0 - eps) * w_y * -logp
         if eps:  # e / V * (lse * sum_v w_v - sum_v w_v u_v)
-            wu = _logit_sum(h, w, b, softcap, cw)
-            tok = tok + torch.where(keep, eps / w.shape[0] * (lse * cw.sum() - wu), 0.0)
+            tok = tok + torch.where(keep, eps / V * (lse * cw.sum() - wsum), 0.0)
         denom = w_y.sum()
     z_tok = z_scale * lse.square() if z_scale else torch.zeros_like(tok)
     if scaling:  # the target probability, detached
@@ -367,8 +359,7 @@ class _CappedLogitSum(torch.autograd.Function):
         dh = torch.zeros(h.shape, **f32) if ng[0] else None
         dw = torch.empty_like(w) if ng[1] else None
         db = torch.zeros(w.shape[0], **f32) if b is not None and ng[2] else None
-        fac = None
-        for vs, blocks in _capped_blocks(h, w, b, ctx.cap):
+        for vs, blocks in _capped_blocks(h, w, b, ctx.cap, want_fac=True):
             acc = None
             if dw is not None:  # fp32 accumulator (in place for fp32 weights)
                 nv = vs.stop - vs.start
@@ -377,10 +368,8 @@ class _CappedLogitSum(torch.autograd.Function):
                     if w.dtype == torch.float32
                     else torch.zeros(nv, h.shape[1], **f32)
                 )
-            for sl, u in blocks:
-                if fac is None:
-                    fac = torch.empty_like(u).view(-1)  # the first block is the largest
-                dz = lse_mod._cap_factor(fac, u, 1.0, ctx.cap).mul_(g[sl, None].float())
+            for sl, (_, fac) in blocks:
+                dz = fac.mul_(g[sl, None].float())  # d/dz of the capped sum: g * (1 - tanh^2)
                 if cw is not None:
                     dz.mul_(cw[vs].float())
                 if db is not None:
@@ -392,21 +381,23 @@ class _CappedLogitSum(torch.autograd.Function):
         return dh, dw, None if db is None else db.to(b.dtype), None, None
 
 
-def _capped_blocks(h, w, b, cap):
+def _capped_blocks(h, w, b, cap, want_fac=False):
     """Per vocabulary chunk: ``(vocab slice, blocks)``, ``blocks`` yielding ``(rows, u)`` with
     ``u = cap * tanh((h W^T + b) / cap)`` of those rows and vocabulary (fp32, one reused
-    buffer: each ``u`` is valid until the next)."""
+    buffer: each ``u`` is valid until the next); ``want_fac``: ``(rows, (u, 1 - tanh^2))``."""
     T, H = h.shape
     V = w.shape[0]
     tc, vc = lse_mod._chunk_sizes(T, H, V, h.device.type == "cpu")
     buf = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
     b_s = lse_mod._scaled_bias(b, cap)
+    fbuf = torch.empty_like(buf) if want_fac else None
 
     def blocks(vs):
         bc = None if b_s is None else b_s[vs]
         for t0 in range(0, T, tc):
             sl = slice(t0, min(t0 + tc, T))
-            yield sl, lse_mod._block(buf, h[sl], w[vs], bc, 1.0, cap=cap)
+            u = lse_mod._block(buf, h[sl], w[vs], bc, 1.0, cap=cap, fac_buf=fbuf)
+            yield sl, ((u, lse_mod._view(fbuf, u)) if want_fac else u)
 
     for v0 in range(0, V, vc):
         vs = slice(v0, min(v0 + vc, V))

@@ -21,8 +21,10 @@ When the result is a scalar loss the upstream gradient is one number, so ``linea
 (``_FusedLinearLoss``, 3 matmuls), whenever the whole vocabulary fits one block; under
 ``no_grad`` / ``inference_mode``, or when no input requires grad, they run the forward only.
 Label smoothing (``linear_nll_loss(label_smoothing=)``, the fused cross-entropy) needs
-``gap = u_y - mean_v u_v`` per token: the forward also sums each block's rows, the backward
-adds ``g_gap * (onehot - 1 / V)`` to ``dU`` (in the one pass: ``e * wt`` for ``g_gap``).
+``u_y - mean_v u_v`` per token, class weights ``sum_v a_v u_v``, the z-loss ``lse``: the forward
+can also return ``(lse, u_y, sum_v a_v u_v)`` (row sums of each block), the backward then adds
+``g_lse * p + g_uy * onehot + g_sum * a`` to ``dU``, so every term's weight gradient is rounded
+once, together.
 
 Chunk rule (``_chunk_sizes``): a block budget of ``B = max(T * H, 2**22)`` fp32 elements (as
 large as the hidden states themselves, at least 16 MiB; on CPU also at least ``min(T, 256) * V``,
@@ -150,7 +152,7 @@ def _mm_f32(a, b, out, add=None, alpha=1.0, beta=1.0):
     return torch.addmm(add, a, b, alpha=alpha, beta=beta, out=out)
 
 
-def _block(buf, hc, wc, b_s, inv_tau, cap=None):
+def _block(buf, hc, wc, b_s, inv_tau, cap=None, fac_buf=None):
     """``buf``'s first ``n * nv`` floats as ``(n, nv)`` = ``u``, fp32, with
     ``u = (z / tau)`` or, with a soft cap, ``u = cap * tanh(z / cap) / tau``; ``z = hc @ wc.T + b``
     (``b_s`` is ``b`` as :func:`_scaled_bias` gives it: ``b / cap`` under a soft cap).
@@ -167,7 +169,10 @@ def _block(buf, hc, wc, b_s, inv_tau, cap=None):
         _mm_f32(hc, wc.T, u, alpha=1.0 / cap)
         if b_s is not None:
             u.add_(b_s)
-        return u.tanh_().mul_(cap * inv_tau)
+        u.tanh_()
+        if fac_buf is not None:  # 1 - tanh^2 from tanh itself (from u: rounded twice more)
+            torch.mul(u, u, out=_view(fac_buf, u)).neg_().add_(1.0)
+        return u.mul_(cap * inv_tau)
     if b_s is None:
         return _mm_f32(hc, wc.T, u, alpha=inv_tau)
     _mm_f32(hc, wc.T, u, add=b_s.expand(n, nv))
@@ -177,11 +182,12 @@ def _block(buf, hc, wc, b_s, inv_tau, cap=None):
 if triton is not None:
     # fmt: off
     @triton.jit
-    def _stats_kernel(U, stride_u, nv, LAB, M, S, TT, ULAB, USUM, WANT_ENT: tl.constexpr,
-                      WANT_SUM: tl.constexpr, BLOCK: tl.constexpr):
+    def _stats_kernel(U, stride_u, nv, LAB, M, S, TT, ULAB, USUM, A, WANT_ENT: tl.constexpr,
+                      WANT_SUM: tl.constexpr, HAS_A: tl.constexpr, BLOCK: tl.constexpr):
         """One row of a fp32 logits block: online update of the running max ``m``, ``s = sum
-        exp(u - m)``, ``t = sum exp(u - m) (u - m)`` (and ``USUM += sum u`` with ``WANT_SUM``),
-        and pick ``u[label]`` if it is here."""
+        exp(u - m)``, ``t = sum exp(u - m) (u - m)`` (and ``USUM += sum_v a_v u_v`` with
+        ``WANT_SUM``, ``a`` the block's column weights ``A`` or ones), and pick ``u[label]`` if
+        it is here."""
         r = tl.program_id(0)
         row = U + r.to(tl.int64) * stride_u
         m = tl.load(M + r)
@@ -194,7 +200,10 @@ if triton is not None:
             ok = c0 + cols < nv
             u = tl.load(row + c0 + cols, mask=ok, other=float("-inf"))
             if WANT_SUM:
-                total += tl.sum(tl.where(ok, u, 0.0), 0)
+                if HAS_A:
+                    total += tl.sum(tl.where(ok, u * tl.load(A + c0 + cols, mask=ok), 0.0), 0)
+                else:
+                    total += tl.sum(tl.where(ok, u, 0.0), 0)
             m_new = tl.maximum(m, tl.max(u, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             live = m > float("-inf")
@@ -216,37 +225,41 @@ if triton is not None:
         tl.store(ULAB + r, tl.load(ULAB + r) + tl.where(here, u_lab, 0.0))
 
     @triton.jit
-    def _grad_kernel(U, stride_u, G, stride_g, nv, LAB, GLP, GENT, ENT, M, LOGS, SM, inv_v,
-                     HAS_ENT: tl.constexpr, HAS_SM: tl.constexpr, BLOCK: tl.constexpr):
-        """One row: ``dU = g_lp * (onehot - p) - g_ent * p * (log p + H)`` from the fp32 ``u``
-        with ``log p = (u - m) - log s`` (rounded as ``log_softmax`` rounds it: ``u - lse``
-        loses ``|lse| * eps`` to one row-wide rounding), plus ``c * (onehot - inv_v)`` (label
-        smoothing, ``c = SM[row]``) with ``HAS_SM``; written in G's dtype."""
+    def _grad_kernel(U, stride_u, G, stride_g, nv, LAB, GHIT, GP, GENT, ENT, M, LOGS, GW, A,
+                     HAS_ENT: tl.constexpr, HAS_W: tl.constexpr, HAS_A: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """One row: ``dU = hit * onehot - gp * p - g_ent * p * (log p + H) + gw * a`` from the
+        fp32 ``u`` with ``log p = (u - m) - log s`` (rounded as ``log_softmax`` rounds it:
+        ``u - lse`` loses ``|lse| * eps`` to one row-wide rounding); ``hit = gp = g_lp`` for the
+        log-prob alone; ``gw * a`` (column weights ``A`` or ones) with ``HAS_W``. Written in G's
+        dtype."""
         r = tl.program_id(0)
         src = U + r.to(tl.int64) * stride_u
         dst = G + r.to(tl.int64) * stride_g
-        g_lp = tl.load(GLP + r)
+        hit = tl.load(GHIT + r)
+        gp = tl.load(GP + r)
         lab = tl.load(LAB + r)
         if HAS_ENT:
             g_ent = tl.load(GENT + r)
             ent = tl.load(ENT + r)
+        if HAS_W:
+            gw = tl.load(GW + r)
         m = tl.load(M + r)
         log_s = tl.load(LOGS + r)
-        hit = g_lp
-        if HAS_SM:
-            c = tl.load(SM + r)
-            hit += c
         cols = tl.arange(0, BLOCK)
         for c0 in range(0, nv, BLOCK):
             idx = c0 + cols
             ok = idx < nv
             lp = tl.maximum((tl.load(src + idx, mask=ok, other=0.0) - m) - log_s, -3.0e38)
             p = tl.exp(lp)
-            g = tl.where(idx == lab, hit, 0.0) - p * g_lp
+            g = tl.where(idx == lab, hit, 0.0) - p * gp
             if HAS_ENT:
                 g -= g_ent * p * (lp + ent)
-            if HAS_SM:
-                g -= c * inv_v
+            if HAS_W:
+                if HAS_A:
+                    g += gw * tl.load(A + idx, mask=ok, other=0.0)
+                else:
+                    g += gw
             tl.store(dst + idx, g.to(G.dtype.element_ty), mask=ok)
     # fmt: on
 
@@ -268,22 +281,16 @@ def _view(buf, like):
     return buf.view(-1)[: like.numel()].view(like.shape)
 
 
-def _cap_factor(buf, u, inv_tau, cap):
-    """``du/dz * tau = 1 - tanh(z / cap)^2`` of a soft-capped block, from ``u``, written to
-    ``buf``: the factor that turns dL/du into dL/dz."""
-    t = torch.mul(u, 1.0 / (cap * inv_tau), out=_view(buf, u))
-    return t.square_().neg_().add_(1.0)
-
-
 def _label_in_chunk(lab, v0, nv):
     idx = lab - v0
     return idx.clamp(0, nv - 1)[:, None], (idx >= 0) & (idx < nv)
 
 
-def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None, gap=None):
-    """``(logp, entropy or None, stats)`` of every row, one ``(tc, vc)`` block at a time;
-    ``gap``: None or an fp32 ``(T,)`` tensor that receives ``u_y - mean_v u_v`` (the label-
-    smoothing term)."""
+def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None, aux=None, a=None):
+    """``(logp, entropy or None, stats)`` of every row, one ``(tc, vc)`` block at a time.
+    ``aux``: None or an fp32 ``(3, T)`` tensor that receives ``(lse, u_y, sum_v a_v u_v)``
+    (``a``: fp32 ``(V,)`` column weights, None for ones), what label smoothing, class weights
+    and the z-loss are made of."""
     T, V = h.shape[0], w.shape[0]
     stats = torch.empty(2, T, dtype=torch.float32, device=h.device)  # row max m, log s
     logp, ent = torch.empty_like(stats[0]), torch.empty_like(stats[0])
@@ -295,7 +302,7 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None, gap=Non
         n = hc.shape[0]
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
         s, t, u_lab = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
-        u_sum = None if gap is None else torch.zeros_like(m)
+        u_sum = None if aux is None else torch.zeros_like(m)
         for v0 in range(0, V, vc):
             bc = None if b_s is None else b_s[v0 : v0 + vc]
             u = _block(buf_u, hc, w[v0 : v0 + vc], bc, inv_tau, cap=cap)
@@ -303,13 +310,14 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None, gap=Non
                 nv = u.shape[1]
                 _stats_kernel[(n,)](
                     u, u.stride(0), nv, lab - v0, m, s, t, u_lab, m if u_sum is None else u_sum,
-                    WANT_ENT=want_entropy, WANT_SUM=u_sum is not None, BLOCK=_row_block(nv),
+                    m if a is None else a[v0 : v0 + nv], WANT_ENT=want_entropy,
+                    WANT_SUM=u_sum is not None, HAS_A=a is not None, BLOCK=_row_block(nv),
                 )  # fmt: skip
                 continue
             col, here = _label_in_chunk(lab, v0, u.shape[1])
             u_lab += torch.where(here, u.gather(1, col)[:, 0], 0.0)
             if u_sum is not None:
-                u_sum += u.sum(1)
+                u_sum += u.sum(1) if a is None else u @ a[v0 : v0 + u.shape[1]]
             m_new = torch.maximum(m, u.amax(1))
             # -inf logits (e.g. a -inf bias masking vocab) give e = 0 and never 0 * -inf
             m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
@@ -329,8 +337,8 @@ def _forward(h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap=None, gap=Non
         stats[0, sl], stats[1, sl] = m, log_s
         logp[sl] = (u_lab - m) - log_s  # as log_softmax rounds it (u - lse loses |lse| * eps)
         ent[sl] = log_s - t / s
-        if gap is not None:
-            gap[sl] = u_lab - u_sum / V
+        if aux is not None:
+            aux[0, sl], aux[1, sl], aux[2, sl] = m + log_s, u_lab, u_sum
     return logp, (ent if want_entropy else None), stats
 
 
@@ -356,10 +364,12 @@ def _accumulate(g, hc, wc, dh_c, acc):
 
 
 def _backward(
-    h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs, cap=None, g_gap=None
+    h, w, b_s, labels, inv_tau, tc, vc, stats, ent, g_lp, g_ent, needs, cap=None, g_aux=None,
+    a=None,
 ):  # fmt: skip
     """Gradients (dhidden, dweight, dbias) for upstream g_lp (T,), g_ent (T,) or None and
-    g_gap (T,) or None (of ``_forward``'s ``gap``: ``dU += g_gap * (onehot - 1 / V)``).
+    g_aux (3, T) or None (of ``_forward``'s ``aux = (lse, u_y, sum_v a_v u_v)``: ``dU`` gains
+    ``g_lse * p + g_uy * onehot + g_sum * a``).
 
     Vocab chunks outer, token chunks inner: the fp32 weight-gradient accumulator is one
     ``(Vc, H)`` chunk (written in place when weight is fp32), ``dhidden`` is fp32 ``(T, H)``.
@@ -369,7 +379,12 @@ def _backward(
     dh, dw, db = _new_grads(h, w, needs)
     g_lp = (g_lp * inv_tau).contiguous()  # d u / d z = 1 / tau folded into the upstream grads
     g_ent = None if g_ent is None else (g_ent * inv_tau).contiguous()
-    c = None if g_gap is None else (g_gap * inv_tau).contiguous()
+    # coefficients of onehot and of -p, and of the column weights (None: none)
+    hit, gp, gw = g_lp, g_lp, None
+    if g_aux is not None:
+        g_aux = g_aux.float() * inv_tau
+        hit, gp, gw = (g_lp + g_aux[1]).contiguous(), (g_lp - g_aux[0]).contiguous(), g_aux[2]
+        gw = gw.contiguous()
     buf_u = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
     fast = _use_triton(h) and cap is None  # soft cap: torch passes (one more factor per block)
     # fast path: dU is written straight in the matmul dtype
@@ -388,32 +403,33 @@ def _backward(
             sl = slice(t0, t0 + hc.shape[0])
             # u exactly as the forward formed it (an addmm folding -lse in rounds differently:
             # CPU BLAS with alpha != 1), then log p = (u - m) - log s
-            u = _block(buf_u, hc, wc, bc, inv_tau, cap=cap)
-            if cap is not None:
-                fac = _cap_factor(buf_f, u, inv_tau, cap)
+            u = _block(buf_u, hc, wc, bc, inv_tau, cap=cap, fac_buf=buf_f)
+            fac = None if cap is None else _view(buf_f, u)
             if fast:
                 g = _view(buf_p, u)
                 has_ent = g_ent is not None
                 _grad_kernel[(u.shape[0],)](
-                    u, u.stride(0), g, g.stride(0), nv, lab - v0, g_lp[sl],
-                    g_ent[sl] if has_ent else g_lp[sl], ent[sl] if has_ent else g_lp[sl],
-                    stats[0, sl], stats[1, sl], g_lp[sl] if c is None else c[sl], 1.0 / V,
-                    HAS_ENT=has_ent, HAS_SM=c is not None, BLOCK=_row_block(nv),
+                    u, u.stride(0), g, g.stride(0), nv, lab - v0, hit[sl], gp[sl],
+                    g_ent[sl] if has_ent else gp[sl], ent[sl] if has_ent else gp[sl],
+                    stats[0, sl], stats[1, sl], gp[sl] if gw is None else gw[sl],
+                    gp if a is None else a[v0 : v0 + nv], HAS_ENT=has_ent, HAS_W=gw is not None,
+                    HAS_A=a is not None, BLOCK=_row_block(nv),
                 )  # fmt: skip
             else:
                 logp = u.sub_(stats[0, sl, None]).sub_(stats[1, sl, None])  # (n, nv) log p
                 p = torch.exp(logp, out=_view(buf_p, logp))
-                if g_ent is not None:  # -g_ent p (log p + H) - g_lp p; p = 0 at log p = -inf
+                if g_ent is not None:  # -g_ent p (log p + H) - gp p; p = 0 at log p = -inf
                     g = logp.clamp_(min=_NEG).add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
-                    g.addcmul_(p, g_lp[sl, None], value=-1.0)
+                    g.addcmul_(p, gp[sl, None], value=-1.0)
                 else:
-                    g = p.mul_(-g_lp[sl, None])
-                hit = g_lp[sl]
-                if c is not None:  # smoothing term: c * (onehot - 1 / V)
-                    g.sub_(c[sl, None] / V)
-                    hit = hit + c[sl]
+                    g = p.mul_(-gp[sl, None])
+                if gw is not None:  # + g_sum * a (a: the column weights, or ones)
+                    if a is None:
+                        g.add_(gw[sl, None])
+                    else:
+                        g.addcmul_(gw[sl, None], a[None, v0 : v0 + nv])
                 col, here = _label_in_chunk(lab, v0, nv)
-                g.scatter_add_(1, col, torch.where(here, hit, 0.0)[:, None])
+                g.scatter_add_(1, col, torch.where(here, hit[sl], 0.0)[:, None])
                 if cap is not None:
                     g.mul_(fac)
             if db is not None:
@@ -439,24 +455,27 @@ def _scaled_bias(b, cap=None):
 
 
 class _LinearLogProbs(torch.autograd.Function):
-    """``(logp, entropy or None, gap or None)`` (``gap = u_y - mean_v u_v`` with ``want_gap``)."""
+    """``(logp, entropy or None, aux or None)``; ``aux`` (with ``want_aux``): fp32 ``(3, T)``
+    ``(lse, u_y, sum_v a_v u_v)``, ``a`` fp32 ``(V,)`` constant column weights or None (ones):
+    the parts of label smoothing, class weights and the z-loss, differentiable in the same
+    backward as ``logp`` (so their weight gradients are rounded once, together)."""
 
     @staticmethod
-    def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc, cap, want_gap=False):
+    def forward(ctx, h, w, b, labels, tau, want_entropy, tc, vc, cap, want_aux=False, a=None):
         inv_tau = 1.0 / tau
         b_s = _scaled_bias(b, cap)
-        gap = torch.empty(h.shape[0], dtype=torch.float32, device=h.device) if want_gap else None
+        aux = torch.empty(3, h.shape[0], dtype=torch.float32, device=h.device) if want_aux else None
         with device_guard(h):
             logp, ent, stats = _forward(
-                h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap, gap
+                h, w, b_s, labels, inv_tau, tc, vc, want_entropy, cap, aux, a
             )  # fmt: skip
-        ctx.save_for_backward(h, w, b, labels, stats, ent)
+        ctx.save_for_backward(h, w, b, labels, stats, ent, a)
         ctx.cfg = (inv_tau, tc, vc, cap)
-        return logp, ent, gap
+        return logp, ent, aux
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent, g_gap=None):
-        h, w, b, labels, stats, ent = ctx.saved_tensors
+    def backward(ctx, g_lp, g_ent, g_aux=None):
+        h, w, b, labels, stats, ent, a = ctx.saved_tensors
         inv_tau, tc, vc, cap = ctx.cfg
         if g_lp is None:
             g_lp = torch.zeros_like(stats[0])
@@ -467,22 +486,10 @@ class _LinearLogProbs(torch.autograd.Function):
         )
         with device_guard(h):
             dh, dw, db = _backward(
-                h,
-                w,
-                _scaled_bias(b, cap),
-                labels,
-                inv_tau,
-                tc,
-                vc,
-                stats,
-                ent,
-                g_lp.float(),
-                None if g_ent is None else g_ent.float(),
-                needs,
-                cap,
-                None if g_gap is None else g_gap.float(),
-            )
-        return (*_cast_grads(dh, dw, db, h, b), *(None,) * 7)
+                h, w, _scaled_bias(b, cap), labels, inv_tau, tc, vc, stats, ent, g_lp.float(),
+                None if g_ent is None else g_ent.float(), needs, cap, g_aux, a,
+            )  # fmt: skip
+        return (*_cast_grads(dh, dw, db, h, b), *(None,) * 8)
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -551,8 +558,9 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, smooth=None):
         for t0 in range(0, T, tc):
             hc, lab = h[t0 : t0 + tc], labels[t0 : t0 + tc]
             sl = slice(t0, t0 + hc.shape[0])
-            u = _block(buf_u, hc, w, b_s, inv_tau, cap=cap)
-            fac = None if cap is None or not any(needs) else _cap_factor(buf_f, u, inv_tau, cap)
+            want_fac = cap is not None and any(needs)
+            u = _block(buf_u, hc, w, b_s, inv_tau, cap=cap, fac_buf=buf_f if want_fac else None)
+            fac = _view(buf_f, u) if want_fac else None
             c = None
             if smooth is not None:  # before _chunk_logp, which may overwrite u
                 s_w = smooth[sl]
@@ -566,10 +574,10 @@ def _fused_loss(h, w, b, labels, tau, tc, token_loss, cap, needs, smooth=None):
             g_lp = (grad_fn(logp, sl).float() * inv_tau).contiguous()
             if fast:
                 g = _view(buf_p, u)
+                hit, gw = (g_lp, g_lp) if c is None else (g_lp + c, c * (-1.0 / V))
                 _grad_kernel[(u.shape[0],)](
-                    u, u.stride(0), g, g.stride(0), V, lab, g_lp, g_lp, g_lp, *stats,
-                    g_lp if c is None else c, 1.0 / V, HAS_ENT=False, HAS_SM=c is not None,
-                    BLOCK=_row_block(V),
+                    u, u.stride(0), g, g.stride(0), V, lab, hit, g_lp, g_lp, g_lp, *stats, gw,
+                    g_lp, HAS_ENT=False, HAS_W=c is not None, HAS_A=False, BLOCK=_row_block(V),
                 )  # fmt: skip
             else:  # u holds exp(u - max) here
                 g = u.mul_((-g_lp / p_sum)[:, None])  # -g_lp * softmax / tau
@@ -661,8 +669,8 @@ def _chunk_logp(u, lab, fast):
         m = torch.full((n,), -math.inf, dtype=torch.float32, device=u.device)
         s, t, u_lab = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
         _stats_kernel[(n,)](
-            u, u.stride(0), u.shape[1], lab, m, s, t, u_lab, m, WANT_ENT=False, WANT_SUM=False,
-            BLOCK=_row_block(u.shape[1]),
+            u, u.stride(0), u.shape[1], lab, m, s, t, u_lab, m, m, WANT_ENT=False,
+            WANT_SUM=False, HAS_A=False, BLOCK=_row_block(u.shape[1]),
         )  # fmt: skip
         log_s = torch.log(s)
         return (u_lab - m) - log_s, (m, log_s), None
@@ -685,16 +693,16 @@ def _grad_wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None, gap=None):
+def _logprobs_no_grad(hidden, weight, labels, bias, temperature, cap=None, aux=None):
     """Forward only (no_grad / inference_mode / nothing requires grad): ``(T,)`` fp32 logp
-    (and ``u_y - mean_v u_v`` into ``gap`` when given, see ``_forward``).
+    (and ``(lse, u_y, sum_v u_v)`` into ``aux`` when given, see ``_forward``).
 
     No gradient buffers, no saved tensors, no extra matmuls."""
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     inv_tau = 1.0 / float(temperature)
     b_s = _scaled_bias(bias, cap)
-    return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False, cap, gap)[0]
+    return _forward(hidden, weight, b_s, labels.long(), inv_tau, tc, vc, False, cap, aux)[0]
 
 
 # ----------------------------------------------------------------------------- API
@@ -833,19 +841,21 @@ def linear_logprobs(
     return (logp, ent.view(lead)) if return_entropy else logp
 
 
-def _logprobs_with_gap(hidden, weight, labels, bias, ignore_index, softcap):
-    """Eager ``(logp, gap)`` of packed ``(T, H)`` hidden: ``linear_logprobs`` and the label-
-    smoothing term ``gap = u_y - mean_v u_v`` (0 at ignored labels) from the same blocks, with one
-    backward for both (the weight gradient is rounded once, not once per term)."""
+def _logprobs_aux(hidden, weight, labels, bias, ignore_index, softcap, cols=None):
+    """Eager ``(logp, lse, u_y, sum_v a_v u_v)`` of packed ``(T, H)`` hidden (``a``: ``cols``,
+    constant ``(V,)`` column weights, or ones), fp32 ``(T,)`` each, from the same logits blocks
+    with one backward for all (their weight gradients rounded once, together). At ignored
+    labels ``logp`` is 0 and the others are finite but meaningless."""
     _check(hidden, weight, labels, bias, 1.0, None, None, ignore_index, softcap)
     cap = None if softcap is None else float(softcap)
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
-    logp, _, gap = _LinearLogProbs.apply(hidden, weight, bias, lab, 1.0, False, tc, vc, cap, True)
-    if ignored is not None:
-        gap = torch.where(ignored, 0.0, gap)
-    return fix_masked(logp, ignored, bad), gap
+    a = None if cols is None else cols.detach().float().contiguous()
+    logp, _, aux = _LinearLogProbs.apply(
+        hidden, weight, bias, lab, 1.0, False, tc, vc, cap, True, a
+    )  # fmt: skip
+    return fix_masked(logp, ignored, bad), aux[0], aux[1], aux[2]
 
 
 @under_autocast
@@ -1038,15 +1048,16 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
     # forward only (nothing saved), or a vocabulary too large for one block (or the fp32
     # weight-gradient copy would not be small): log-probs + autograd
     if not _grad_wanted(hidden, weight, bias):
-        gap = torch.empty(T, dtype=torch.float32, device=hidden.device) if smooth else None
-        logp = _logprobs_no_grad(hidden, weight, lab, bias, tau, cap, gap)
+        aux = torch.empty(3, T, dtype=torch.float32, device=hidden.device) if smooth else None
+        logp = _logprobs_no_grad(hidden, weight, lab, bias, tau, cap, aux)
     else:
         tc, vc = _chunk_sizes(T, H, weight.shape[0], cpu)
-        logp, _, gap = _LinearLogProbs.apply(
+        logp, _, aux = _LinearLogProbs.apply(
             hidden, weight, bias, lab, tau, False, tc, vc, cap, bool(smooth)
         )  # fmt: skip
     loss = loss_fn(logp, slice(0, T))
     if smooth:
+        gap = aux[1] - aux[2] / weight.shape[0]  # u_y - mean_v u_v
         loss = loss + smooth * torch.where(wt != 0, wt * gap, 0.0).sum()
     return loss
 
