@@ -459,8 +459,11 @@ def test_ring_rollouts_reproduce_the_single_process_run(extra, untrained, reques
             "grad_norm",
             "value_loss",
         ):
+            # kl (~1e-3 at step 2) is a mean of log-prob differences (~2 each): rounding of
+            # the log-probs (~1e-7 relative) leaves ~1e-6 in it (measured 1.2e-6 here)
+            atol = 5e-6 if key == "kl" else 1e-6
             if key in a:
-                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + 1e-6, (key, a, b)
+                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + atol, (key, a, b)
 
 
 @pytest.mark.slow

@@ -205,6 +205,20 @@ def check_data(path: Path, data: dict) -> None:
     checkpoint lacks are not compared."""
     saved = read_state(path).get("data")
     differ = [k for k in data if saved is not None and k in saved and saved[k] != data[k]]
+    for key in ("dataset", "eval_dataset"):  # compared by content where both have a digest
+        digest = key + "_sha256"
+        if digest not in differ:
+            if saved and saved.get(digest) and saved.get(digest) == data.get(digest):
+                differ = [k for k in differ if k != key]  # the same files, moved
+            continue
+        differ.remove(digest)
+        if key not in differ and data.get(digest):  # same path, other bytes
+            raise ValueError(
+                f"--resume: the files of --{key.replace('_', '-')} {data[key]} changed since "
+                f"{path} was saved (sha256 {saved[digest][:12]}.. then, {data[digest][:12]}.. "
+                f"now): the resumed steps would train on other samples; restore them, or start "
+                f"a new run (--overwrite or another --output-dir)"
+            )
     if differ:
 
         def show(x: dict) -> str:

@@ -98,7 +98,11 @@ class TrainConfig:
         "<output-dir>/model)",
     )
     eval_steps: int = _f(0, "evaluate every N steps (0: only at the end)")
-    resume: bool = _f(False, "continue from the newest complete checkpoint in --output-dir")
+    resume: bool = _f(
+        False,
+        "continue from the newest checkpoint in --output-dir (one whose save finished; an "
+        "unreadable one stops the run with what to delete)",
+    )
     overwrite: bool = _f(
         False,
         "start fresh in an --output-dir holding an earlier run's checkpoints, deleting them "

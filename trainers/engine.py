@@ -100,11 +100,33 @@ def build_engine(
         model=module, optimizer=opt, lr_scheduler=sched, config=ds_config(cfg, layout)
     )
     _undo_init_step(engine)
+    engine.rk_cpu_adam = opt if cfg.offload else None  # see resync_cpu_adam
     if not check_tp_inputs and getattr(engine, "first_dataloader_check", None) is not None:
         engine.first_dataloader_check.remove()  # AutoTP's pickle-and-compare of the 1st forward
         engine.first_dataloader_check = None
     engine.rk_max_grad_norm = cfg.max_grad_norm if clips_itself(cfg, layout) else None
     return engine
+
+
+def resync_cpu_adam(engine) -> None:
+    """After a resume: bring DeepSpeedCPUAdam's C++ bias-correction powers to where the
+    uninterrupted run has them. The C++ optimizer keeps ``beta^t`` as a running float product
+    (``beta_t *= beta`` each step) but a fresh one, given the loaded step ``k + 1``, computes
+    ``pow(beta, k + 1)`` instead, which differs in the last bit for many ``k`` (0.999: k + 1 = 3,
+    6, 19..; 0.9: 9, 12, ...), so resumed updates were off by ~1e-7. Replaying steps 1..k on
+    empty tensors rebuilds the same running product (no parameter is touched)."""
+    opt = getattr(engine, "rk_cpu_adam", None)
+    if opt is None:
+        return
+    steps = [int(s["step"]) for s in opt.state.values() if isinstance(s, dict) and "step" in s]
+    if not steps:
+        return
+    group = opt.param_groups[0]
+    beta1, beta2 = group["betas"]
+    hp = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"])
+    empty = torch.empty(0, dtype=torch.float32)
+    for step in range(1, max(steps) + 1):
+        opt.ds_opt_adam.adam_update(opt.opt_id, step, *hp, empty, empty, empty, empty)
 
 
 def _undo_init_step(engine) -> None:

@@ -9,6 +9,7 @@ check, and ends every rank with one ``error:`` line and exit code 2 before the m
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -50,22 +51,55 @@ _DATA_FLAGS = (
     "dataset", "dataset_probs", "split", "eval_dataset", "eval_split", "eval_ratio",
     "max_samples", "input_key", "output_key", "prompt_key", "chosen_key", "rejected_key",
     "margin_key", "input_template", "apply_chat_template", "max_len", "batch_size",
-    "rollout_batch_size", "n_samples_per_prompt", "reward_fn", "seed",
+    "rollout_batch_size", "n_samples_per_prompt", "reward_fn", "reward_model", "seed",
 )  # fmt: skip
 
 
-def checkpoint_data(cfg) -> dict:
+def checkpoint_data(cfg, digests: bool = True) -> dict:
     """This run's data flags (:data:`_DATA_FLAGS` its trainer has), saved in checkpoints; data
     paths are made absolute (``./a.jsonl`` and ``a.jsonl`` are one file), probabilities lose
-    their spaces."""
+    their spaces; with ``digests`` also the sha256 of the data files (read once per process:
+    rank 0 alone asks for them)."""
     out = {f: getattr(cfg, f) for f in _DATA_FLAGS if hasattr(cfg, f)}
     if out.get("dataset_probs"):  # '0.7, 0.3' is '0.7,0.3'
         out["dataset_probs"] = ",".join(p.strip() for p in out["dataset_probs"].split(","))
+    if out.get("reward_model"):
+        out["reward_model"] = os.path.abspath(out["reward_model"])
     for key in ("dataset", "eval_dataset"):
         if out.get(key):
             parts = [p.strip() for p in out[key].split(",") if p.strip()]
             out[key] = ",".join(os.path.abspath(p) for p in parts)
+            if digests:  # what the files hold: a moved copy is the same data, an edit is not
+                out[key + "_sha256"] = ",".join(data_digest(p) for p in out[key].split(","))
     return out
+
+
+def data_digest(path: str) -> str:
+    """sha256 of a data file, or of a ``save_to_disk`` folder's files (names and bytes); '' when
+    there is nothing to read (the data loader names the missing path)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return _digest(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: str, size: int, mtime_ns: int) -> str:  # size / mtime: the cache key
+    import hashlib
+
+    h = hashlib.sha256()
+    files = (
+        sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if os.path.isdir(path)
+        else [Path(path)]
+    )
+    for f in files:
+        h.update(str(f.relative_to(path) if f != Path(path) else "").encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def apply_optimizer_flags(engine, lr: float, weight_decay: float) -> None:
@@ -119,7 +153,13 @@ class Session:
             if cfg.resume and (ckpt := latest_checkpoint(cfg.output_dir)) is not None:
                 saved_layout = checkpoint_layout(cfg, kind, layout)
                 check_layout(ckpt, saved_layout)
-                check_data(ckpt, checkpoint_data(cfg))
+                problem = ""  # rank 0 reads the data files' digests, every rank hears
+                if layout.rank == 0:
+                    try:
+                        check_data(ckpt, checkpoint_data(cfg))
+                    except ValueError as e:
+                        problem = str(e)
+                all_ranks_ok(not problem, problem, layout)
                 tags = ["engine"] + (["critic"] if saved_layout.get("critic") else [])
                 problem = ""  # this rank's RNG file may be the missing piece: every rank hears
                 try:
@@ -431,7 +471,7 @@ class Session:
 
     def build_critic(self, module: torch.nn.Module):
         """PPO's critic engine (``--critic-lr``), saved and resumed with the actor."""
-        from trainers.engine import build_engine
+        from trainers.engine import build_engine, resync_cpu_adam
 
         self.critic = build_engine(
             module,
@@ -446,13 +486,14 @@ class Session:
                 load_checkpoint(self.critic, ckpt, tag="critic", rng=False)
             except ValueError as e:
                 common.fail(str(e))
+            resync_cpu_adam(self.critic)
             apply_optimizer_flags(self.critic, self.cfg.critic_lr, self.cfg.weight_decay)
         return self.critic
 
     def build(self, module: torch.nn.Module, check_tp_inputs: bool = True):
         """DeepSpeed engine (:func:`trainers.engine.build_engine`); with ``--resume`` restored
         from the newest checkpoint. Returns (engine, steps already done)."""
-        from trainers.engine import build_engine
+        from trainers.engine import build_engine, resync_cpu_adam
 
         ckpt = latest_checkpoint(self.cfg.output_dir) if self.cfg.resume else None  # (checked)
         engine = build_engine(
@@ -461,12 +502,14 @@ class Session:
         start = 0
         if self.cfg.resume:
             if ckpt is None:
-                self.print(f"--resume: no checkpoint in {self.cfg.output_dir}, starting fresh")
+                where = os.path.abspath(self.cfg.output_dir)
+                self.print(f"--resume: no checkpoint in {where}, starting fresh")
             else:
                 try:
                     start = load_checkpoint(engine, ckpt)["step"]
                 except ValueError as e:
                     common.fail(str(e))
+                resync_cpu_adam(engine)
                 if start > self.total:
                     common.fail(
                         f"--resume: {ckpt} is at step {start}, past this run's {self.total} "
@@ -521,7 +564,7 @@ class Session:
             state = {
                 "total_steps": self.total,
                 "layout": checkpoint_layout(self.cfg, self.kind, self.layout),
-                "data": checkpoint_data(self.cfg),
+                "data": checkpoint_data(self.cfg, digests=self.layout.rank == 0),  # rank 0 saves
             }
             save_checkpoint(engines, self.cfg.output_dir, step, state)
 
