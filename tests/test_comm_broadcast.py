@@ -24,8 +24,8 @@ from rlhf_kernels.ring.spawn import run_gloo
 
 pytestmark = pytest.mark.multiproc
 
-BUDGET = 4096
-BIG = 9000  # fp32 elements of the oversize sample: 36 kB, ~9 budgets
+BUDGET = 16384  # a few small samples each (tensor bytes + ~1 kB of objects per tensor)
+BIG = 9000  # fp32 elements of the oversize sample: 36 kB, over two budgets
 
 
 # ----------------------------------------------------------------------------- harness
@@ -537,7 +537,7 @@ def _case_review_fixes(rank, world):
         list(
             scatter_for_ring(
                 mixed if rank == 0 else None, src=0, token_keys=["input_ids"],
-                max_chunk_bytes=BUDGET,
+                max_chunk_bytes=4096,  # one sample per micro-batch
             )
         )  # fmt: skip
     # distributed_rollouts: prompt lists of different lengths lost a share silently
@@ -844,7 +844,9 @@ def _run_case(rank, world, name):
 
 def test_send_failure_reaches_receivers_at_once():
     send = run_gloo(_run_case, 2, "_case_send_fails", timeout_s=120)
-    assert send[0]["bcast"] == send[1]["bcast"] == [[0, 1]]  # the failed micro-batch: on none
+    # one sample per micro-batch (400 bytes + ~1.3 kB of objects each, 1024-byte budget); the
+    # failed micro-batch: on none
+    assert send[0]["bcast"] == send[1]["bcast"] == [[0], [1]]
     assert send[0]["scatter"] == send[1]["scatter"] == [[0]]
     assert send[1]["bcast_s"] < 4 and send[1]["scatter_s"] < 4  # not the 5 s timeout
     if not send[1]["fp8"].startswith("sent"):  # the receiver has the source's own message
@@ -893,3 +895,35 @@ def test_pad_value_must_fit_a_floating_key(dtype, value, ok):
     else:
         with pytest.raises(ValueError, match=r"pad_values\['k'\]=.*'k''s"):
             check()
+
+
+def _case_count_objects(rank, world):
+    """The budget counts ~1.3 kB of objects per 1-tensor sample by default; count_objects=False
+    counts tensor and metadata bytes only (micro-batches as a token budget)."""
+    samples = [{"x": torch.full((100,), float(i))} for i in range(12)]
+    out = {}
+    for flag in (True, False):
+        sizes = []
+        stream = broadcast_chunked(
+            samples if rank == 0 else None, src=0, max_chunk_bytes=2048, count_objects=flag
+        )
+        for mb in stream:
+            sizes.append(len(mb))
+        plans = []
+        stream = scatter_for_ring(
+            samples if rank == 0 else None, src=0, token_keys=["x"], max_chunk_bytes=2048,
+            count_objects=flag,
+        )  # fmt: skip
+        for plan, _, _ in stream:
+            plans.append(len(plan.cu_seqlens) - 1)
+        out[flag] = (sizes, plans)
+    return out
+
+
+def test_count_objects_false_budgets_bytes_only():
+    res = run_gloo(_run_case, 2, "_case_count_objects", timeout_s=120)
+    assert res[0] == res[1]
+    (bc_obj, sc_obj), (bc_bytes, sc_bytes) = res[0][True], res[0][False]
+    assert bc_obj == [1] * 12 and sc_obj == [1] * 12  # 400 bytes + objects: alone in 2 kB
+    assert sum(bc_bytes) == sum(sc_bytes) == 12
+    assert max(bc_bytes) >= 4 and max(sc_bytes) >= 4  # 4-5 samples of 400 bytes per 2 kB

@@ -104,8 +104,10 @@ def rollouts(session, make, prompts: list, cfg) -> tuple[list[Shard], object, in
         group=layout.ring_group,
         token_keys=TOKEN_KEYS if scatter else None,
         layout=cfg.ring_layout,
-        # two int64 per token, at least the wire's smallest chunk
+        # the stream's micro-batches are the training micro-batches: two int64 per token (at
+        # least the wire's smallest chunk), objects not counted, so --micro-batch-tokens holds
         max_chunk_bytes=max(cfg.micro_batch_tokens * 16, MIN_CHUNK_BYTES),
+        count_objects=False,
     )
     shards, first_text, received = [], None, 0
     try:

@@ -27,6 +27,7 @@ handshake) or by ``init_process_group(timeout=...)``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -126,12 +127,25 @@ def _refuse(name: str, error: Exception, fields: dict, group, timeout) -> None:
     raise error
 
 
-def _sample_bytes(sample: Sample, index: int) -> int:
-    total = 0
+# resident cost of the Python objects a received micro-batch is made of, beyond its bytes:
+# each tensor a receiver rebuilds is a view (Python object + TensorImpl, ~0.9 kB measured), each
+# sample a dict; each document of a scatter micro-batch costs its RingPlan ~(100 * world + 300)
+# bytes of run tables and Python lists on every rank. Counted in the budget, so micro-batches of
+# many tiny samples stay within a few max_chunk_bytes of memory, not ~10x.
+_TENSOR_OBJ_BYTES = 1024
+_SAMPLE_OBJ_BYTES = 256
+
+
+def _plan_doc_bytes(world: int) -> int:
+    return 128 * world + 384
+
+
+def _sample_bytes(sample: Sample, index: int, objects: bool = True) -> int:
+    total = _SAMPLE_OBJ_BYTES if objects else 0
     for key, value in sample.items():
         if isinstance(value, torch.Tensor):
             _wire.check_tensor(value, f"samples[{index}][{key!r}]")
-            total += _wire.align(_wire.tensor_nbytes(value))
+            total += _wire.align(_wire.tensor_nbytes(value)) + (_TENSOR_OBJ_BYTES if objects else 0)
     return total
 
 
@@ -182,6 +196,7 @@ def broadcast_chunked(
     max_chunk_bytes: int = 64 << 20,
     timeout: float | None = None,
     allow_early_stop: bool = False,
+    count_objects: bool = True,
 ) -> Iterator[list[Sample]]:
     """Stream ``samples`` from ``src`` to every rank of ``group`` in bounded micro-batches.
 
@@ -198,7 +213,12 @@ def broadcast_chunked(
         group: process group (default: the world). gloo stages through CPU buffers, NCCL through
             the current CUDA device.
         max_chunk_bytes: budget of a micro-batch: tensor bytes (each tensor rounded up to 16
-            bytes) plus each sample's pickled description; also the size of each staging buffer.
+            bytes) plus each sample's pickled description and the objects a receiver rebuilds
+            (``_TENSOR_OBJ_BYTES`` per tensor, ``_SAMPLE_OBJ_BYTES`` per sample); also the size
+            of each staging buffer.
+        count_objects: False leaves the objects out of the budget (tensor and metadata bytes
+            only: micro-batches as a token budget, e.g. training micro-batches of long samples);
+            only the source's value matters.
             The pickled descriptions of one micro-batch also stay under 8 MiB, so any number of
             metadata-heavy samples streams. A sample over the budget travels alone, split over
             several transfers. Must be the same on every rank (checked).
@@ -245,7 +265,7 @@ def broadcast_chunked(
     if error is not None:
         _refuse(name, error, fields, group, timeout)
     side = _broadcast_side
-    args = (samples, max_chunk_bytes, allow_early_stop)
+    args = (samples, max_chunk_bytes, allow_early_stop, bool(count_objects))
     return _stream_gen(name, fields, src, group, timeout, side, *args)
 
 
@@ -257,7 +277,7 @@ def _stream_gen(name, fields, src, group, timeout, side, *args):
     yield from side(name, header, device, *args)
 
 
-def _broadcast_side(name, header, device, samples, max_chunk_bytes, allow_early_stop):
+def _broadcast_side(name, header, device, samples, max_chunk_bytes, allow_early_stop, objects):
     piece = _stream.piece_size(max_chunk_bytes)
     group, src = header.group, header.src
     if samples is not None:  # the source
@@ -270,7 +290,8 @@ def _broadcast_side(name, header, device, samples, max_chunk_bytes, allow_early_
             start = lambda: sender.send(tensors, offsets, total, send_fns)
             return _wire.dumps_meta(desc, name), total, start, batch
 
-        batches = _wire.micro_batches(samples, _sample_bytes, max_chunk_bytes, _broadcast_meta_size)
+        size = _sample_bytes if objects else functools.partial(_sample_bytes, objects=False)
+        batches = _wire.micro_batches(samples, size, max_chunk_bytes, _broadcast_meta_size)
         yield from _protocol.send_loop(header, batches, prepare, sender.wait)
     else:
         recv = _stream.bcast_fn(header.gsrc, group)
@@ -294,6 +315,7 @@ def scatter_for_ring(
     timeout: float | None = None,
     allow_early_stop: bool = False,
     pad_values: dict[str, float] | None = None,
+    count_objects: bool = True,
 ) -> Iterator[tuple[RingPlan, dict[str, torch.Tensor], list[dict[str, Any]]]]:
     """Stream ``samples`` from ``src`` so that each rank of the ring ``group`` gets only its shard.
 
@@ -321,7 +343,8 @@ def scatter_for_ring(
         token_keys: the per-token fields to shard (same on every rank, checked).
         layout: ``RingPlan`` layout, ``"zigzag"`` or ``"contiguous"`` (same on every rank).
         max_chunk_bytes: budget of one micro-batch's per-token bytes (before sharding) plus the
-            samples' pickled metadata; transfers and the source's two staging buffers are
+            samples' pickled metadata and object overhead (``_SAMPLE_OBJ_BYTES`` and the plan's
+            tables per sample); transfers and the source's two staging buffers are
             ``max_chunk_bytes / world``. A sample over it travels alone. Metadata of one
             micro-batch also stays under 8 MiB.
         timeout: seconds to wait for the handshake and each micro-batch header (default: the
@@ -336,6 +359,7 @@ def scatter_for_ring(
             keys; only 0 for dtypes without ``masked_fill``, such as float8), the same on every
             rank. The source refuses a pad that does not fit before sending the first
             micro-batch (ValueError there, RuntimeError with its message on the receivers).
+        count_objects: as in ``broadcast_chunked``.
 
     Yields:
         ``(plan, local_tensors, meta)`` on every rank: ``plan`` the micro-batch's ``RingPlan``
@@ -373,7 +397,9 @@ def scatter_for_ring(
         _refuse(name, error, fields, group, timeout)
     side = _scatter_side
     args = (samples, rank, world, token_keys, layout, max_chunk_bytes, bool(allow_early_stop))
-    stream = _stream_gen(name, fields, src, group, timeout, side, *args, pad_values)
+    stream = _stream_gen(
+        name, fields, src, group, timeout, side, *args, pad_values, bool(count_objects)
+    )  # fmt: skip
     return _with_pad_values(stream, rank, pad_values)
 
 
@@ -559,7 +585,7 @@ def _own(v):
 
 def _scatter_side(
     name, header, device, samples, rank, world, token_keys, layout, max_chunk, allow_early_stop,
-    pad_values,
+    pad_values, objects,
 ):  # fmt: skip
     # a rank's shard is ~1/world of a micro-batch: transfers (and staging buffers) of that size
     piece = _stream.piece_size(max(max_chunk // world, _wire.MIN_CHUNK_BYTES))
@@ -623,7 +649,9 @@ def _scatter_side(
 
             return _wire.dumps_meta(desc, name), cu[-1], start, (plan, own, meta)
 
-        meta_size = lambda s: _wire.meta_nbytes(_meta_of(s, token_keys)) + 16  # + cu entry
+        # the meta dict and the plan's runs (with count_objects), the cu entry
+        overhead = (_SAMPLE_OBJ_BYTES + _plan_doc_bytes(world)) if objects else 16
+        meta_size = lambda s: _wire.meta_nbytes(_meta_of(s, token_keys)) + overhead
         budget = _token_budget(token_keys)
         batches = _wire.micro_batches(samples, budget, max_chunk, meta_size)
         yield from _protocol.send_loop(header, batches, prepare, sender.wait)

@@ -38,6 +38,7 @@ def distributed_rollouts(
     layout: str = "zigzag",
     max_chunk_bytes: int = 64 << 20,
     timeout: float | None = None,
+    count_objects: bool = True,
 ) -> Iterator:
     """Generate on every rank of ``group``, then distribute the micro-batches from their owners.
 
@@ -49,7 +50,7 @@ def distributed_rollouts(
         token_keys: None streams whole samples with ``broadcast_chunked`` (yields lists of
             samples); otherwise the per-token keys for ``scatter_for_ring`` (yields
             ``(plan, local_tensors, meta)``).
-        layout, max_chunk_bytes: passed on (same on every rank).
+        layout, max_chunk_bytes, count_objects: passed on (same on every rank).
         timeout: seconds to wait for the other ranks to finish generating (the status
             exchange after ``generate``) and then for each header (default: the group's
             timeout). Generation times differ across ranks: leave room for the slowest.
@@ -79,8 +80,9 @@ def distributed_rollouts(
         samples = _consume(mine) if rank == owner else None
         if token_keys is None:
             stream = broadcast_chunked(
-                samples, src=owner, group=group, max_chunk_bytes=max_chunk_bytes, timeout=timeout
-            )
+                samples, src=owner, group=group, max_chunk_bytes=max_chunk_bytes, timeout=timeout,
+                count_objects=count_objects,
+            )  # fmt: skip
         else:
             stream = scatter_for_ring(
                 samples,
@@ -90,6 +92,7 @@ def distributed_rollouts(
                 layout=layout,
                 max_chunk_bytes=max_chunk_bytes,
                 timeout=timeout,
+                count_objects=count_objects,
             )
         yield from stream
 
