@@ -180,6 +180,10 @@ def _helper_cases(rank, world):
     res = {"all": torch.equal(gather_from_ring(local, plan), full)}
     at1 = gather_from_ring(local, plan, dst=1)
     res["dst"] = torch.equal(at1, full) if rank == 1 else at1 is None
+    # complex values (gloo's gather refused them: "Invalid scalar type")
+    cfull = torch.complex(full, -full)
+    c1 = gather_from_ring(plan.shard(cfull, rank), plan, dst=1)
+    res["dst_complex"] = torch.equal(c1, cfull) if rank == 1 else c1 is None
     values = local[:, 0].clone().requires_grad_()
     share = ring_token_mean(values, plan.shard(mask_full, rank))
     share.backward()
@@ -363,6 +367,7 @@ def test_ring_attention_matches_single_device(world):
         assert cached[3] and "local_len" in cached[3] and "earlier calls" in cached[3], cached
         assert cached[5] and "earlier calls" not in cached[5], cached
         assert helpers["all"] and helpers["dst"] and helpers["gather_after"]
+        assert helpers["dst_complex"]
         assert helpers["gather_empty"] == (0, 3)
         for name in ("gather_len", "gather_len_dst"):
             wrong = "local_len" if rank == world - 1 else f"rank(s) [{world - 1}]"

@@ -101,9 +101,14 @@ def gather_from_ring(
         all_gather_flat(flat, local, group=group)
         n = plan.local_len  # split(0) would give one chunk, not world_size
         return plan.unshard([flat.narrow(0, r * n, n) for r in range(plan.world_size)])
-    shards = [torch.empty_like(local) for _ in range(plan.world_size)] if rank == dst else None
-    dist.gather(local, shards, dst=global_rank(group, dst), group=group)
-    return plan.unshard(shards) if rank == dst else None
+    wire = torch.view_as_real(local) if local.is_complex() else local  # gloo: no complex
+    shards = [torch.empty_like(wire) for _ in range(plan.world_size)] if rank == dst else None
+    dist.gather(wire, shards, dst=global_rank(group, dst), group=group)
+    if rank != dst:
+        return None
+    if local.is_complex():
+        shards = [torch.view_as_complex(t) for t in shards]
+    return plan.unshard(shards)
 
 
 def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
