@@ -50,8 +50,10 @@ first, in eager mode). Under ``torch.compile`` the op is the ``rlhf_kernels::lin
 not count skipped inside it).
 
 Soft cap (``softcap=c``, Gemma 2's ``final_logit_softcapping``): ``u = c * tanh(z / c) / tau``
-in each block; the gradient blocks take the extra factor ``1 - tanh(z / c)^2`` (recovered from
-``u``), formed by torch passes (the Triton gradient pass is skipped then).
+in each block; the gradient blocks take the extra factor ``1 - tanh(z / c)^2`` (formed from the
+tanh itself as the block is made, as torch's tanh backward does: rebuilt from ``u`` it was off
+by two more roundings, magnified where tanh saturates), by torch passes (the Triton gradient pass
+is skipped then).
 
 Labels equal to ``ignore_index`` (default -100) get ``logp = 0`` and no gradient through it; the
 losses leave those tokens out. Other out-of-range labels: ValueError where checked (CPU, or
