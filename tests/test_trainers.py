@@ -333,7 +333,8 @@ def test_resume_after_a_crash_during_a_save_repeats_the_run(tmp_path):
     shutil.rmtree(ckpts / "step-000006")
     lr_at = args.index("--lr") + 1
     args[lr_at] = str(2 * float(args[lr_at]))
-    run_trainer("sft", args + ["--resume"], tmp_path)
+    run_trainer("sft", args + ["--resume", "--save-total-limit", "1"], tmp_path)
+    assert [p.name for p in ckpts.iterdir()] == ["step-000006"]  # step 3 pruned after the save
     doubled = metrics(tmp_path)
     assert [m["lr"] for m in doubled[:3]] == [m["lr"] for m in full[:3]]
     for a, b in zip(full[3:], doubled[3:], strict=True):
@@ -422,6 +423,32 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
     save_checkpoint(Engine(False), tmp_path, 9, {})  # the next save clears the leftovers
     assert latest_checkpoint(tmp_path).name == "step-000009"
     assert not (tmp_path / "checkpoints" / ".tmp-step-000006").exists()
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
+    """``keep``: the just-saved folder and the newest others up to ``keep`` stay; a prune that
+    died after its rename leaves a ``.del-`` folder that resume ignores and the next save
+    removes; ``keep=0`` keeps every checkpoint."""
+    from trainers.checkpoint import checkpoint_root, latest_checkpoint, save_checkpoint
+
+    class Engine:
+        def save_checkpoint(self, path, tag, save_latest):
+            (Path(path) / tag).mkdir()
+
+    root = checkpoint_root(tmp_path)
+    for step in (2, 4, 6):
+        save_checkpoint(Engine(), tmp_path, step, {}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000004", "step-000006"]
+    (root / "step-000004").rename(root / ".del-step-000004")  # a prune killed midway
+    assert latest_checkpoint(tmp_path).name == "step-000006"
+    (root / "step-000006").rename(root / ".del-step-000006")
+    assert latest_checkpoint(tmp_path) is None  # never a half-deleted folder
+    (root / ".del-step-000006").rename(root / "step-000006")
+    save_checkpoint(Engine(), tmp_path, 3, {}, keep=1)  # an older step saved last is kept
+    assert sorted(p.name for p in root.iterdir()) == ["step-000003"]
+    for step in (5, 7):
+        save_checkpoint(Engine(), tmp_path, step, {})
+    assert len(list(root.iterdir())) == 3
 
 
 def test_resume_refusal_names_every_flag_to_restore(tmp_path):
@@ -573,7 +600,7 @@ def test_help_documents_every_flag(capsys):
     --max-samples --input-key --input-template --apply-chat-template --max-len
     --batch-size --micro-batch-tokens --no-packing --ring-attn-size --ring-layout --zero-stage
     --offload --tp-size --dtype --lr --epochs --max-steps --seed --gradient-checkpointing
-    --output-dir --save-steps --eval-steps --resume --logger --config""".split()
+    --output-dir --save-steps --save-total-limit --eval-steps --resume --logger --config""".split()
     for main, extra in (
         (sft.main, ["--output-key"]),
         (rm.main, ["--chosen-key", "--rejected-key", "--prompt-key", "--margin-key"]),

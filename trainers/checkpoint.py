@@ -5,8 +5,10 @@
 states. A checkpoint is written into ``.tmp-step-000003`` and renamed into place by rank 0 only
 after every rank has finished writing; the rename is the commit. A save that dies midway leaves
 a ``.tmp-*`` folder that resume ignores (and the next save removes), so the previous checkpoint
-stays usable. Resume takes the newest ``step-*`` folder. ``--output-dir`` must be on a file
-system every node sees (as for DeepSpeed checkpoints in general).
+stays usable. Resume takes the newest ``step-*`` folder. With ``keep`` (``--save-total-limit``)
+only that many committed folders stay: older ones are renamed to ``.del-step-*`` (atomically, so
+a half-deleted folder is never taken for a checkpoint) and then deleted. ``--output-dir`` must be
+on a file system every node sees (as for DeepSpeed checkpoints in general).
 """
 
 from __future__ import annotations
@@ -98,9 +100,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: dict) -> Path:
+def save_checkpoint(
+    engines, output_dir: str | os.PathLike, step: int, state: dict, keep: int = 0
+) -> Path:
     """Collective: every rank calls it. ``engines``: one DeepSpeed engine, or ``{tag: engine}``
-    (PPO's actor and critic). Returns the committed folder."""
+    (PPO's actor and critic). ``keep`` > 0: after the commit, keep this folder and the newest
+    others up to ``keep`` in all, delete the rest (0: keep all). Returns the committed folder."""
     if not isinstance(engines, dict):
         engines = {_TAG: engines}
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -108,8 +113,9 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
     if rank == 0:
-        for stale in root.glob(".tmp-step-*") if root.is_dir() else []:
-            shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save
+        for pattern in (".tmp-step-*", ".del-step-*"):  # an interrupted save / prune left them
+            for stale in root.glob(pattern) if root.is_dir() else []:
+                shutil.rmtree(stale, ignore_errors=True)
         for old in root.glob(".old-step-*") if root.is_dir() else []:
             if (root / old.name[len(".old-") :] / "trainer_state.json").is_file():
                 shutil.rmtree(old, ignore_errors=True)  # replaced: its re-save committed
@@ -122,8 +128,27 @@ def save_checkpoint(engines, output_dir: str | os.PathLike, step: int, state: di
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
         commit_folder(tmp, final)  # a re-save of the same step (a resumed run) replaces it
+        if keep > 0:
+            prune_checkpoints(root, keep, final)
     _barrier()
     return final
+
+
+def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
+    """Delete committed ``step-N`` folders of ``root`` beyond ``newest`` and the next newest
+    ``keep - 1``; returns the deleted paths. Each is renamed to ``.del-step-N`` first: a crash
+    midway leaves a folder :func:`latest_checkpoint` ignores (the next save removes it)."""
+    others = sorted(
+        (int(m.group(2)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and m.group(1) is None and p != newest
+    )
+    doomed = [p for _, p in others[: max(0, len(others) - (keep - 1))]]
+    for p in doomed:
+        gone = p.with_name(f".del-{p.name}")
+        os.replace(p, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    return doomed
 
 
 def _fsync(path: Path) -> None:

@@ -97,6 +97,10 @@ class TrainConfig:
         "save a resumable checkpoint every N steps (0: none; the final weights always go to "
         "<output-dir>/model)",
     )
+    save_total_limit: int = _f(
+        0,
+        "keep only the newest N checkpoints, deleting older ones after each save (0: keep all)",
+    )
     eval_steps: int = _f(0, "evaluate every N steps (0: only at the end)")
     resume: bool = _f(
         False,
@@ -138,7 +142,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-        for name in ("save_steps", "eval_steps", "warmup_steps"):
+        for name in ("save_steps", "save_total_limit", "eval_steps", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"

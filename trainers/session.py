@@ -566,7 +566,7 @@ class Session:
                 "layout": checkpoint_layout(self.cfg, self.kind, self.layout),
                 "data": checkpoint_data(self.cfg, digests=self.layout.rank == 0),  # rank 0 saves
             }
-            save_checkpoint(engines, self.cfg.output_dir, step, state)
+            save_checkpoint(engines, self.cfg.output_dir, step, state, self.cfg.save_total_limit)
 
     def sample_line(self, step: int, text, reward: float) -> None:
         """Show one rollout under the progress bar now and then (rank 0)."""
