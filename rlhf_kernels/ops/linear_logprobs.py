@@ -47,7 +47,7 @@ the rows that count only (``_live_rows``: pads and ignored labels of a padded ba
 first, in eager mode). Under ``torch.compile`` the op is the ``rlhf_kernels::linear_logprobs_fwd``
 / ``_bwd`` custom ops (``ops/compiled.py``), so nothing breaks the graph; ``linear_nll_loss`` and
 ``linear_policy_loss`` are then the one-pass ``rlhf_kernels::linear_loss_fwd`` op (rows that do
-not count skipped inside it).
+not count skipped inside it); the ``aux`` outputs and label smoothing go through the same ops.
 
 Soft cap (``softcap=c``, Gemma 2's ``final_logit_softcapping``): ``u = c * tanh(z / c) / tau``
 in each block; the gradient blocks take the extra factor ``1 - tanh(z / c)^2`` (formed from the
@@ -628,11 +628,11 @@ def _token_loss(wt, ppo=None):
     return loss, grad
 
 
-def _loss_with_grads(h, w, b, lab, wt, temperature, softcap, needs, ppo=None):
-    """``(loss, dh, dw, db)`` of ``_token_loss(wt, ppo)`` with the gradients made in the
-    forward; rows with ``wt == 0`` skip the matmuls (their dh is 0). The body of the scalar
-    losses under torch.compile (``rlhf_kernels::linear_loss_fwd``), where the row selection is
-    opaque."""
+def _loss_with_grads(h, w, b, lab, wt, temperature, softcap, needs, ppo=None, smooth=0.0):
+    """``(loss, dh, dw, db)`` of ``_token_loss(wt, ppo)`` (plus label smoothing ``smooth``, as
+    in :func:`_scalar_loss`) with the gradients made in the forward; rows with ``wt == 0`` skip
+    the matmuls (their dh is 0). The body of the scalar losses under torch.compile
+    (``rlhf_kernels::linear_loss_fwd``), where the row selection is opaque."""
     T, H = h.shape
     V, cap, tau = w.shape[0], None if softcap is None else float(softcap), float(temperature)
     keep = (wt != 0).nonzero().squeeze(1)
@@ -644,17 +644,25 @@ def _loss_with_grads(h, w, b, lab, wt, temperature, softcap, needs, ppo=None):
     token_loss = _token_loss(ww, ppo)
     n, cpu = hh.shape[0], h.device.type == "cpu"
     one_pass, tc = _fits_one_pass(n, H, V, cpu)
+    sw = (smooth * ww).float() if smooth else None  # per-row smoothing weights
     if one_pass:
-        loss, dh, dw, db = _fused_loss(hh, w, b, ll, tau, tc, token_loss, cap, needs)
+        loss, dh, dw, db = _fused_loss(hh, w, b, ll, tau, tc, token_loss, cap, needs, sw)
     else:  # vocabulary too large for one block: blocks, then the backward with d loss / d logp
         tc, vc = _chunk_sizes(n, H, V, cpu)
         b_s = _scaled_bias(b, cap)
-        logp, ent, stats = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap)
+        aux = None if sw is None else torch.empty(3, n, dtype=torch.float32, device=h.device)
+        logp, ent, stats = _forward(hh, w, b_s, ll, 1.0 / tau, tc, vc, False, cap, aux)
         every = slice(0, n)
         loss, dh, dw, db = token_loss[0](logp, every), None, None, None
+        if sw is not None:  # e * sum wt * (u_y - mean_v u_v): d/d(u_y, sum u) = sw, -sw / V
+            loss = loss + (sw * (aux[1] - aux[2] / V)).sum()
+            g_aux = torch.stack([torch.zeros_like(sw), sw, sw * (-1.0 / V)])
         if any(needs):
             g_lp = token_loss[1](logp, every).float()
-            grads = _backward(hh, w, b_s, ll, 1.0 / tau, tc, vc, stats, ent, g_lp, None, needs, cap)
+            grads = _backward(
+                hh, w, b_s, ll, 1.0 / tau, tc, vc, stats, ent, g_lp, None, needs, cap,
+                None if sw is None else g_aux,
+            )  # fmt: skip
             dh, dw, db = _cast_grads(*grads, hh, b)
     if dh is not None:  # contiguous, as the op's fake declares
         dh = h.new_zeros(h.shape).index_copy_(0, keep, dh) if part else dh.contiguous()
@@ -832,7 +840,7 @@ def linear_logprobs(
     if torch.compiler.is_compiling():  # traced: a custom op with a fake (rlhf_kernels.ops.compiled)
         from rlhf_kernels.ops.compiled import linear_logprobs_fwd
 
-        logp, ent, _ = linear_logprobs_fwd(
+        logp, ent, _, _ = linear_logprobs_fwd(
             hidden, weight, bias, lab, float(temperature), return_entropy, tc, vc, cap
         )
     else:
@@ -844,19 +852,27 @@ def linear_logprobs(
 
 
 def _logprobs_aux(hidden, weight, labels, bias, ignore_index, softcap, cols=None):
-    """Eager ``(logp, lse, u_y, sum_v a_v u_v)`` of packed ``(T, H)`` hidden (``a``: ``cols``,
+    """``(logp, lse, u_y, sum_v a_v u_v)`` of packed ``(T, H)`` hidden (``a``: ``cols``,
     constant ``(V,)`` column weights, or ones), fp32 ``(T,)`` each, from the same logits blocks
-    with one backward for all (their weight gradients rounded once, together). At ignored
-    labels ``logp`` is 0 and the others are finite but meaningless."""
+    with one backward for all (their weight gradients rounded once, together; under
+    torch.compile the same through the ``linear_logprobs_fwd`` op). At ignored labels ``logp``
+    is 0 and the others are finite but meaningless."""
     _check(hidden, weight, labels, bias, 1.0, None, None, ignore_index, softcap)
     cap = None if softcap is None else float(softcap)
     T, H = hidden.shape
     tc, vc = _chunk_sizes(T, H, weight.shape[0], hidden.device.type == "cpu")
     lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
     a = None if cols is None else cols.detach().float().contiguous()
-    logp, _, aux = _LinearLogProbs.apply(
-        hidden, weight, bias, lab, 1.0, False, tc, vc, cap, True, a
-    )  # fmt: skip
+    if torch.compiler.is_compiling():
+        from rlhf_kernels.ops.compiled import linear_logprobs_fwd
+
+        logp, _, _, aux = linear_logprobs_fwd(
+            hidden, weight, bias, lab, 1.0, False, tc, vc, cap, True, a
+        )
+    else:
+        logp, _, aux = _LinearLogProbs.apply(
+            hidden, weight, bias, lab, 1.0, False, tc, vc, cap, True, a
+        )  # fmt: skip
     return fix_masked(logp, ignored, bad), aux[0], aux[1], aux[2]
 
 
@@ -1023,8 +1039,7 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
     gradients made in the forward when the vocabulary fits one block (under torch.compile the
     ``rlhf_kernels::linear_loss_fwd`` op, which also skips rows with ``wt == 0``), else
     ``linear_logprobs`` + autograd; forward only without grad. ``smooth``: label smoothing
-    ``e``, adding ``e * sum wt * (u_y - mean_v u)`` from the same logits blocks (under
-    torch.compile its own term, :func:`_smoothing_loss`)."""
+    ``e``, adding ``e * sum wt * (u_y - mean_v u)`` from the same logits blocks."""
     T, H = hidden.shape
     cap = None if softcap is None else float(softcap)
     if torch.compiler.is_compiling():  # traced: one opaque op, gradients made in its forward
@@ -1033,13 +1048,10 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
         grad = torch.is_grad_enabled()
         needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         ref, adv, lo, hi, dual = (None, None, 0.0, 0.0, None) if ppo is None else ppo
-        loss = linear_loss_fwd(
+        return linear_loss_fwd(
             hidden, weight, bias, lab, wt, ref, adv, float(lo), float(hi),
-            None if dual is None else float(dual), float(temperature), cap, needs,
+            None if dual is None else float(dual), float(temperature), cap, needs, float(smooth),
         )[0]  # fmt: skip
-        if smooth:
-            loss = loss + _smoothing_loss(hidden, weight, bias, lab, temperature, wt, cap, smooth)
-        return loss
     token_loss = _token_loss(wt, ppo)
     loss_fn = token_loss[0]
     tau, cpu = float(temperature), hidden.device.type == "cpu"
@@ -1062,15 +1074,6 @@ def _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap=None, ppo=N
         gap = aux[1] - aux[2] / weight.shape[0]  # u_y - mean_v u_v
         loss = loss + smooth * torch.where(wt != 0, wt * gap, 0.0).sum()
     return loss
-
-
-def _smoothing_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth):
-    """``smooth * sum_t wt_t * (u_y - mean_v u_v)`` as its own term with autograd (fp32
-    passes, see ``fused_linear_ce._smoothing_term``): the traced path's."""
-    from rlhf_kernels.ops.fused_linear_ce import _smoothing_term
-
-    gap = _smoothing_term(hidden, weight, lab, bias, wt != 0, "none", softcap=softcap)
-    return smooth / float(temperature) * (gap * wt).sum()
 
 
 def _nan_if_bad(loss, bad, wt):
