@@ -41,7 +41,8 @@ at::Tensor reverse_scan_cpu(const at::Tensor& x_in, const at::Tensor& coef_in) {
         scalar_t* yr = yp + b * T;
         scalar_t carry = 0;
         for (int64_t t = T - 1; t >= 0; --t) {
-          carry = xr[t] + cr[t] * carry;
+          // coef 0 ends a segment: the value after it stays out, even inf (0 * inf = NaN)
+          carry = cr[t] == scalar_t(0) ? xr[t] : xr[t] + cr[t] * carry;
           yr[t] = carry;
         }
       }

@@ -33,7 +33,7 @@ __global__ void reverse_scan_kernel(const scalar_t* __restrict__ x,
   scalar_t a = 0, b = 1;
   for (int64_t t = hi - 1; t >= lo; --t) {
     const scalar_t c = cr[t];
-    a = xr[t] + c * a;
+    a = c == scalar_t(0) ? xr[t] : xr[t] + c * a;  // coef 0 ends a segment (no 0 * inf)
     b = c * b;
   }
   sa[tid] = a;
@@ -44,7 +44,7 @@ __global__ void reverse_scan_kernel(const scalar_t* __restrict__ x,
   for (int off = 1; off < kThreads; off <<= 1) {
     scalar_t na = sa[tid], nb = sb[tid];
     if (tid + off < kThreads) {
-      na = sa[tid] + sb[tid] * sa[tid + off];
+      na = sb[tid] == scalar_t(0) ? sa[tid] : sa[tid] + sb[tid] * sa[tid + off];
       nb = sb[tid] * sb[tid + off];
     }
     __syncthreads();
@@ -57,7 +57,7 @@ __global__ void reverse_scan_kernel(const scalar_t* __restrict__ x,
 
   // phase 3: replay the chunk
   for (int64_t t = hi - 1; t >= lo; --t) {
-    carry = xr[t] + cr[t] * carry;
+    carry = cr[t] == scalar_t(0) ? xr[t] : xr[t] + cr[t] * carry;
     yr[t] = carry;
   }
 }

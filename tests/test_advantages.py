@@ -75,6 +75,9 @@ def test_group_advantages_bad_input():
         group_advantages(torch.randn(2, 4), 4)
     with pytest.raises(TypeError, match="rewards must be a float tensor"):
         group_advantages(torch.ones(8, dtype=torch.long), 4)
+    for eps in (-1e-6, float("nan"), "1e-6"):  # a negative eps gave NaN advantages silently
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            group_advantages(torch.randn(8), 4, eps=eps)
 
 
 def test_whiten_masked():
@@ -116,6 +119,8 @@ def test_whiten_bad_input():
         whiten(torch.randn(3, 4), torch.ones(3, 5))
     with pytest.raises(TypeError, match="x must be a float tensor"):
         whiten(torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1.0"):
+        whiten(torch.ones(4), eps=-1.0)  # all NaN before
 
 
 def test_whiten_needs_two_selected_entries():

@@ -491,3 +491,52 @@ def test_junk_at_masked_tokens_stays_out(backend):
     assert g[0].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
     ref_adv, _ = loop_gae(r, v, mask, 1.0, 1.0)
     torch.testing.assert_close(ref_adv, adv)
+
+
+@pytest.mark.parametrize("backend", ["auto", *_backends()])
+def test_a_non_finite_sample_stays_in_its_sequence(backend):
+    """An inf reward in one packed sequence made the one before it NaN on the scan paths
+    (its boundary is a 0 coefficient, and 0 * inf is NaN); the fused op kept it out."""
+    r, v, cu = torch.tensor([1.0, 2.0, float("inf"), 3.0]), torch.zeros(4), [0, 2, 3, 4]
+    for dtype in (torch.float32, torch.float64)[: 1 if backend == "triton" else 2]:
+        rr, vv = r.to(dtype), v.to(dtype)
+        adv, ret = gae(rr, vv, gamma=0.9, lam=0.9, cu_seqlens=cu, backend=backend)
+        g = discounted_returns(rr, gamma=0.9, cu_seqlens=cu, backend=backend)
+        for out, first in ((adv, 1 + 0.81 * 2), (ret, 1 + 0.81 * 2), (g, 1 + 0.9 * 2)):
+            assert out[[0, 1, 3]].tolist() == pytest.approx([first, 2.0, 3.0]), out
+            assert out[2] == float("inf")
+    x = torch.tensor([[1.0, 2.0, float("nan"), 4.0]] * 2)
+    c = torch.tensor([[0.5, 0.0, 0.5, 0.0]] * 2)
+    want = torch.tensor([2.0, 2.0, float("nan"), 4.0])
+    scans = [gae_mod.reverse_scan_loop, gae_mod.reverse_scan_torch]
+    scans += [lambda x, c, b=b: gae_mod._split_scan(x, c, b, 2) for b in _backends()]
+    scans += [lambda x, c, b=b: reverse_scan(x, c, b) for b in _backends()]
+    for scan in scans:
+        torch.testing.assert_close(scan(x, c)[0], want, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["auto", *_backends()])
+def test_empty_streams(backend):
+    """Padded (B, 0) crashed the scan path (IndexError); compiled, an empty packed stream
+    failed to trace (its end marker had length 1)."""
+    with pytest.raises(ValueError, match="backend='triton' scans in float32"):
+        gae(
+            torch.zeros(3).double(),
+            torch.zeros(3),
+            gamma=1,
+            lam=1,
+            cu_seqlens=[0, 3],
+            backend="triton",
+        )
+    z, m = torch.zeros(2, 0), torch.ones(2, 0)
+    adv, ret = gae(z, z, gamma=0.9, lam=0.9, mask=m, backend=backend)
+    assert adv.shape == ret.shape == (2, 0)
+    assert discounted_returns(z, gamma=0.9, mask=m, backend=backend).shape == (2, 0)
+    if backend != "auto":
+        return
+    torch._dynamo.reset()
+    f = torch.compile(
+        lambda r, cu: gae(r, r, gamma=0.9, lam=0.8, cu_seqlens=cu)[0], backend="eager",
+        fullgraph=True,
+    )  # fmt: skip
+    assert f(torch.zeros(0), torch.tensor([0, 0])).shape == (0,)

@@ -197,6 +197,12 @@ def test_bad_input():
     torch.testing.assert_close(  # a 0-d tensor option is a number
         policy_loss(x, x, x, m, clip_low=torch.tensor(0.2)), policy_loss(x, x, x, m, clip_low=0.2)
     )
+    y = x + torch.randn(2, 5)
+    torch.testing.assert_close(  # so is the KL clamp (refused before)
+        kl_penalty(x, y, "k3", clamp=torch.tensor(0.5)), kl_penalty(x, y, "k3", clamp=0.5)
+    )
+    with pytest.raises(ValueError, match="clamp must be a number > 0"):
+        kl_penalty(x, y, clamp=torch.tensor(float("nan")))
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]"):
         value_loss(x.view(-1), x.view(-1), x.view(-1), cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="mask must have values's shape"):

@@ -20,7 +20,7 @@ import operator
 
 import torch
 
-from rlhf_kernels._checks import check_mask
+from rlhf_kernels._checks import check_mask, is_real
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 
@@ -59,6 +59,7 @@ def group_advantages(
         raise ValueError(
             f"the reward count {rewards.numel()} is not a multiple of group_size={group_size}"
         )
+    _check_eps(eps)
     if estimator in ("grpo", "rloo") and group_size < 2:
         raise ValueError(f"estimator {estimator!r} needs group_size >= 2, got {group_size}")
     if rewards.dtype in (torch.float16, torch.bfloat16):  # group sums and stds in fp32
@@ -97,6 +98,7 @@ def whiten(
         raise TypeError(f"x must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if mask is not None and mask.shape != x.shape:
         raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
+    _check_eps(eps)
     if x.dtype in (torch.float16, torch.bfloat16):  # fp16 sums of 65k entries overflow
         return whiten(x.float(), mask, shift_only=shift_only, eps=eps).to(x.dtype)
     m = torch.ones_like(x) if mask is None else check_mask(mask).to(x.dtype)
@@ -110,3 +112,8 @@ def whiten(
         return centred
     var = torch.where(keep, centred.square(), 0).sum() / (n - 1)  # unbiased
     return centred * torch.rsqrt(var + eps)
+
+
+def _check_eps(eps) -> None:
+    if not (is_real(eps, finite=True) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")

@@ -136,16 +136,22 @@ def reverse_scan_torch(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """``y[:, t] = x[:, t] + coef[:, t] * y[:, t + 1]`` by log-depth doubling; x, coef ``(B, T)``.
 
     After step ``d`` each position holds the affine map of the next ``2d`` positions composed,
-    ``y[t] = a[t] + b[t] * y[t + 2d]`` (positions past the end contribute 0).
+    ``y[t] = a[t] + b[t] * y[t + 2d]`` (positions past the end contribute 0). A map with
+    ``b == 0`` ignores what follows, even a non-finite value (``0 * inf`` would be NaN).
     """
     a, b = x, coef
     T = x.shape[-1]
     d = 1
     while d < T:
-        a = torch.cat([a[:, :-d] + b[:, :-d] * a[:, d:], a[:, -d:]], dim=1)
+        a = torch.cat([a[:, :-d] + _times(b[:, :-d], a[:, d:]), a[:, -d:]], dim=1)
         b = torch.cat([b[:, :-d] * b[:, d:], torch.zeros_like(b[:, -d:])], dim=1)
         d *= 2
     return a
+
+
+def _times(b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``b * y``, 0 where ``b == 0`` (a segment's end: no NaN from a non-finite ``y`` after it)."""
+    return torch.where(b == 0, 0.0, b * y)
 
 
 def reverse_scan_loop(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
@@ -153,7 +159,7 @@ def reverse_scan_loop(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     carry = torch.zeros_like(x[:, 0])
     for t in reversed(range(x.shape[1])):
-        carry = x[:, t] + coef[:, t] * carry
+        carry = x[:, t] + _times(coef[:, t], carry)
         y[:, t] = carry
     return y
 
@@ -170,7 +176,8 @@ if triton is not None:
     @triton.jit
     def _compose(a_prev, b_prev, a_cur, b_cur):
         # prev = map of the later positions, cur = this position: y = a_cur + b_cur * y_next
-        return a_cur + b_cur * a_prev, b_cur * b_prev
+        # (b_cur == 0 ends a segment: nothing after it, not even inf, reaches this position)
+        return a_cur + tl.where(b_cur == 0, 0.0, b_cur * a_prev), b_cur * b_prev
 
     @triton.jit
     def _reverse_scan_kernel(x_ptr, c_ptr, y_ptr, T, BLOCK: tl.constexpr):
@@ -185,7 +192,7 @@ if triton is not None:
             x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
             c = tl.load(c_ptr + base + t, mask=ok, other=0.0).to(tl.float32)
             a, b = tl.associative_scan((x, c), 0, _compose)
-            y = a + b * carry
+            y = a + tl.where(b == 0, 0.0, b * carry)
             tl.store(y_ptr + base + t, y.to(y_ptr.dtype.element_ty), mask=ok)
             carry = tl.sum(tl.where(idx == BLOCK - 1, y, 0.0), axis=0)
 
@@ -278,7 +285,7 @@ def _split_scan(x: torch.Tensor, coef: torch.Tensor, backend: str, chunk: int) -
     y_loc, b = both.view(2, B, K, chunk).unbind(0)
     z = reverse_scan_torch(y_loc[..., 0], b[..., 0])  # (B, K) chunk-start values
     carry = torch.cat([z[:, 1:], torch.zeros_like(z[:, :1])], dim=1)
-    return (y_loc + b * carry[..., None]).view(B, K * chunk)[:, :T]
+    return (y_loc + _times(b, carry[..., None])).view(B, K * chunk)[:, :T]
 
 
 def _scan(x: torch.Tensor, coef: torch.Tensor, backend: str) -> torch.Tensor:
@@ -314,7 +321,8 @@ def reverse_scan(x: torch.Tensor, coef: torch.Tensor, backend: str = "auto") -> 
     """Segmented reverse linear scan ``y[:, t] = x[:, t] + coef[:, t] * y[:, t + 1]``.
 
     Args:
-        x, coef: ``(B, T)`` float tensors of one dtype and device; ``coef == 0`` ends a segment.
+        x, coef: ``(B, T)`` float tensors of one dtype and device; ``coef == 0`` ends a segment
+            (nothing after it reaches ``y[t]``, not even a non-finite value).
         backend: ``"auto"`` (native op, else Triton on CUDA, else torch) or one backend by name.
     Returns: ``y`` ``(B, T)`` in x's dtype (half precisions are computed in float32).
     """
@@ -358,6 +366,11 @@ def _validate(name_tensors, cu_seqlens, mask, backend):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{n} must be a float tensor, got {t.dtype}")
+        if backend == "triton" and t.dtype == torch.float64:
+            raise ValueError(
+                f"backend='triton' scans in float32 (half types are upcast), got {n} float64: "
+                f"use backend 'auto', 'native' or 'torch'"
+            )
     for n, t in rest:
         if t.shape != t0.shape:
             raise ValueError(f"{n} must have {n0}'s shape {tuple(t0.shape)}, got {tuple(t.shape)}")
@@ -406,14 +419,15 @@ def _prepare(name_tensors, cu, mask):
         from rlhf_kernels.ops.compiled import segment_ids
 
         seq = segment_ids(cu, t0.shape[0])
-        is_last = torch.cat([seq[1:] != seq[:-1], seq.new_ones(1, dtype=torch.bool)])[None]
+        is_last = torch.cat([seq[1:] != seq[:-1], seq.new_ones(1, dtype=torch.bool)])
+        is_last = is_last[: t0.shape[0]][None]  # (an empty stream: no end)
     elif cu is not None:
         is_last = torch.zeros(1, t0.shape[0], dtype=torch.bool, device=t0.device)
         ends = [e - 1 for s, e in zip(cu[:-1], cu[1:]) if e > s]
         is_last[0, ends] = True
     else:
         is_last = torch.zeros(t0.shape, dtype=torch.bool, device=t0.device)
-        is_last[:, -1] = True
+        is_last[:, -1:] = True  # (T = 0: nothing)
     out_dtype = t0.dtype
     work = functools.reduce(torch.promote_types, [t.dtype for _, t in name_tensors])
     work = work if work in _SCAN_DTYPES else torch.float32  # (half types computed in float32)
@@ -457,7 +471,8 @@ def gae(
         backend: ``"auto"``, ``"native"``, ``"triton"`` or ``"torch"``. ``auto`` / ``native``
             run the fused native op (mask, delta, scan and returns in one pass per sequence)
             where it is built for the device; ``triton`` / ``torch`` (and ``auto`` without the
-            extension) build delta in torch and run that backend's scan.
+            extension) build delta in torch and run that backend's scan (``triton``: float32
+            and half types, float64 is refused).
     Returns:
         ``(advantages, returns)`` in rewards' shape and dtype; ``returns = advantages + values``
         (values masked). The value after the last token of each sequence is 0. Differentiable.

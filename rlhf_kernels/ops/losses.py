@@ -17,7 +17,6 @@ from rlhf_kernels._checks import (
     as_cu_seqlens,
     check_mask,
     check_same_device,
-    is_real,
     is_scalar,
     sequence_ids,
 )
@@ -52,8 +51,9 @@ def kl_penalty(
         )
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    if clamp is not None and not (is_real(clamp) and clamp > 0):
+    if clamp is not None and not (is_scalar(clamp) and clamp > 0):
         raise ValueError(f"clamp must be a number > 0 or None, got {clamp!r}")
+    clamp = None if clamp is None else float(clamp)  # (a 0-d tensor, as the policy clips take)
     dtype = torch.promote_types(logp.dtype, ref_logp.dtype)
     cdt = torch.promote_types(dtype, torch.float32)
     d = logp.to(cdt) - ref_logp.to(cdt)
