@@ -455,3 +455,32 @@ def test_resume_finds_a_checkpoint_set_aside_by_a_crashed_re_save(tmp_path):
     assert latest_checkpoint(tmp_path).name == ".old-step-000004"
     (root / "step-000004" / "trainer_state.json").write_text("{}")
     assert latest_checkpoint(tmp_path).name == "step-000004"  # the committed one wins
+
+
+def test_an_empty_flag_is_refused_not_taken_for_the_default():
+    """``--dataset "$DATA"`` with DATA unset trained on the bundled toy set; an empty
+    ``--eval-dataset`` evaluated on the training file itself; an empty ``--output-dir`` is the
+    working directory."""
+    from trainers.ppo import PPOConfig
+    from trainers.sft import SFTConfig
+
+    for name, value in (("dataset", ""), ("eval_dataset", " "), ("output_dir", ""), ("split", ",")):
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} is empty"):
+            SFTConfig(**{name: value}).validate()
+    with pytest.raises(ValueError, match="--reward-fn is empty"):
+        PPOConfig(reward_fn="").validate()
+
+
+def test_max_steps_replaces_epochs():
+    """``--max-steps`` was capped at ``--epochs`` passes in SFT / RM (40 rows, batch 4,
+    --max-steps 100 trained 10 steps, and a resume with a higher --max-steps trained none)."""
+    from types import SimpleNamespace
+
+    from trainers.common import batch_indices, total_steps
+
+    assert total_steps(40, SimpleNamespace(batch_size=4, epochs=1, max_steps=100)) == 100
+    assert total_steps(40, SimpleNamespace(batch_size=4, epochs=3, max_steps=None)) == 30
+    assert total_steps(40, SimpleNamespace(batch_size=4, epochs=3, max_steps=5)) == 5
+    second = [i for s in range(11, 21) for i in batch_indices(s, 40, 4, seed=0)]
+    assert sorted(second) == list(range(40))  # step 11 on: a second, reshuffled pass
+    assert second != [i for s in range(1, 11) for i in batch_indices(s, 40, 4, seed=0)]

@@ -310,10 +310,17 @@ def test_mixed_column_types(tmp_path):
     assert load_mixture(f"{strs},{ints}", None, "train", 0, None)["response"][2:4] == ["word", "0"]
     with pytest.raises(ValueError, match="lists.jsonl': cannot be mixed with '.*ints.jsonl'"):
         load_mixture(f"{ints},{lists}", None, "train", 0, None)
-    # numbers that are numbers in both stay numbers (a CSV's number text casts to them)
-    (tmp_path / "nums.csv").write_text("prompt,response\nz,7\n")
+    # a CSV's text stays text after a file of numbers ("0007" used to become 7, as the
+    # first part's type decided), in either order
+    (tmp_path / "nums.csv").write_text("prompt,response\nz,0007\n")
     mixed = load_mixture(f"{ints},{tmp_path / 'nums.csv'}", None, "train", 0, None)
-    assert mixed["response"] == [0, 1, 2, 7]
+    assert mixed["response"] == ["0", "1", "2", "0007"]
+    # ints then floats (a margin, an unread score column) used to be refused: both float64
+    floats = tmp_path / "floats.jsonl"
+    floats.write_text(json.dumps({"prompt": "f", "response": 1.5}) + "\n")
+    for order in ((ints, floats), (floats, ints)):
+        mixed = load_mixture(",".join(map(str, order)), None, "train", 0, None)
+        assert sorted(mixed["response"]) == [0.0, 1.0, 1.5, 2.0]
 
 
 def test_check_keys_message():
@@ -555,6 +562,8 @@ def test_input_template_checked(template, match):
     data.check_template('{{"question": "{}"}} answer:')  # literal braces doubled
     with pytest.raises(ValueError, match=match):
         data.check_template(template, "--input-template")
+    with pytest.warns(UserWarning, match=r"literal backslash-n, not a newline: in bash write \$"):
+        data.check_template("Q: {}\\nA: ")  # what 'Q: {}\nA: ' in a shell gives
 
 
 def test_reward_positions_follow_transformers():
@@ -581,6 +590,9 @@ def test_csv_columns_are_text(tmp_path):
     ds = load_mixture(str(f), None, "train", 0, None)
     assert ds["chosen"] == ["0007", "12"] and ds["margin"] == ["1.5", "-2"]
     data.check_values(ds, {"--chosen-key": "chosen", "--margin-key": "margin"}, "data")
+    excel = tmp_path / "excel.csv"  # Excel's "CSV UTF-8" starts with a byte-order mark
+    excel.write_text("prompt,chosen\nq,0007\n", encoding="utf-8-sig")
+    assert load_mixture(str(excel), None, "train", 0, None)["chosen"] == ["0007"]
     bad = tmp_path / "bad.csv"
     bad.write_text("prompt,margin\na,1\nb,nan\n")
     with pytest.raises(ValueError, match="--margin-key 'margin': row 1.*finite number"):

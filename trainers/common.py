@@ -102,8 +102,9 @@ def total_steps(n_train: int, cfg) -> int:
         raise ValueError(
             f"--batch-size ({cfg.batch_size}) is larger than the training set ({n_train} samples)"
         )
-    steps = per_epoch * cfg.epochs
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+    # --max-steps replaces --epochs (as in HF's Trainer and our PPO): past the data's end the
+    # steps take further seeded epochs (batch_indices)
+    return cfg.max_steps if cfg.max_steps else per_epoch * cfg.epochs
 
 
 def batch_indices(step: int, n_train: int, batch_size: int, seed: int) -> list[int]:

@@ -47,8 +47,8 @@ class TrainConfig:
     )
     input_template: str | None = _f(
         None,
-        "prompt template for str.format with one '{}' where the prompt goes, e.g. 'Q: {}\\nA: ' "
-        "(literal braces: '{{' '}}')",
+        "prompt template for str.format with one '{}' where the prompt goes, e.g. $'Q: {}\\nA: ' "
+        "in bash for a newline (literal braces: '{{' '}}')",
     )
     apply_chat_template: bool = _f(False, "wrap the prompt with the tokenizer's chat template")
     max_len: int = _f(512, "truncate each sample (prompt + response + EOS) to this many tokens")
@@ -88,7 +88,11 @@ class TrainConfig:
     )
     max_grad_norm: float = _f(1.0, "gradient clipping by global norm (0 disables)")
     epochs: int = _f(1, "passes over the training data")
-    max_steps: int | None = _f(None, "stop after this many optimizer steps (default: all epochs)")
+    max_steps: int | None = _f(
+        None,
+        "train this many optimizer steps, replacing --epochs (more than one pass takes further "
+        "seeded passes; default: --epochs passes)",
+    )
     seed: int = _f(0, "seed for data order, held-out split and initialisation")
     # outputs
     output_dir: str = _f("runs/sft", "metrics.jsonl, TensorBoard, plot, checkpoints and the model")
@@ -146,6 +150,13 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+                )
+        for f in fields(self):  # an unset shell variable: --dataset "$DATA"
+            v = getattr(self, f.name)
+            if isinstance(v, str) and not v.replace(",", "").strip():
+                raise ValueError(
+                    f"--{f.name.replace('_', '-')} is empty ({v!r}); leave the flag out for the "
+                    f"default"
                 )
         if not 0.0 <= self.eval_ratio < 1.0:
             raise ValueError(f"--eval-ratio must be in [0, 1), got {self.eval_ratio}")

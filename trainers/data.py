@@ -64,7 +64,7 @@ def _load_one(item: str, split: str) -> datasets.Dataset:
             raise ValueError(f"dataset {item!r}: the file is empty (no rows)")
         kwargs = {}
         if builder == "csv":  # CSV has no types: every column is text ("0007" stays "0007")
-            with path.open(newline="") as f:
+            with path.open(newline="", encoding="utf-8-sig") as f:  # (Excel: a BOM)
                 header = next(csv.reader(f), [])
             kwargs["features"] = datasets.Features({c: datasets.Value("string") for c in header})
         try:
@@ -95,9 +95,10 @@ def _parse_probs(probs: str, n: int) -> list[float]:
 
 
 def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[datasets.Dataset]:
-    """Keep only the columns every part has (first part's order), cast to the first's types;
-    when that fails for a column that is text in some part (words vs numbers), it becomes text
-    everywhere (numbers are read as their digits anyway)."""
+    """Keep only the columns every part has (first part's order), each cast to one type: the
+    parts' own when they agree; text when any part has text there (numbers become their
+    digits, and text such as "0007" is never parsed as a number); int64 / float64 when the parts
+    mix numbers and booleans; else the first part's (a failing cast names the part)."""
     common = [c for c in parts[0].column_names if all(c in p.column_names for p in parts)]
     dropped = sorted({c for p in parts for c in p.column_names} - set(common))
     if not common:
@@ -106,19 +107,28 @@ def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[dat
             f"{[p.column_names for p in parts]}"
         )
     parts = [p.select_columns(common) for p in parts]
-    try:
-        parts = _cast_all(parts, parts[0].features, names)
-    except ValueError:
-        features = parts[0].features.copy()
-        text = datasets.Value("string")
-        for c in common:
-            if text in [p.features[c] for p in parts]:
-                features[c] = text
-        parts = _cast_all(parts, features, names)
+    features = parts[0].features.copy()
+    for c in common:
+        kinds = [p.features[c] for p in parts]
+        if any(k != kinds[0] for k in kinds):
+            features[c] = _joint_type(kinds)
+    parts = _cast_all(parts, features, names)
     if dropped:
         for p in parts:
             p.info.description = f"{p.info.description or ''}\n{_DROPPED}{dropped}".lstrip("\n")
     return parts
+
+
+def _joint_type(kinds: list) -> object:
+    """One ``datasets`` feature for a column the parts type differently (see _common_columns)."""
+    dtypes = [k.dtype if isinstance(k, datasets.Value) else None for k in kinds]
+    if any(d in ("string", "large_string") for d in dtypes):
+        return datasets.Value("string")
+    if all(
+        d is not None and (d == "bool" or d.startswith(("int", "uint", "float"))) for d in dtypes
+    ):
+        return datasets.Value("float64" if any(d.startswith("float") for d in dtypes) else "int64")
+    return kinds[0]
 
 
 def _cast_all(parts, features, names: list[str]) -> list[datasets.Dataset]:
@@ -228,6 +238,12 @@ def check_template(input_template: str | None, flag: str = "input_template") -> 
         raise ValueError(
             f"{flag} {input_template!r} has no '{{}}' where the prompt goes ('{{{{}}}}' is a "
             "literal '{}')"
+        )
+    if "\\n" in input_template:  # 'Q: {}\nA: ' in a shell: a backslash and an n
+        warnings.warn(
+            f"{flag} {input_template!r} holds a literal backslash-n, not a newline: in bash "
+            f"write $'Q: {{}}\\nA: ' (or \"Q: {{}}\\nA: \" in a YAML --config) for a newline",
+            stacklevel=2,
         )
 
 

@@ -234,7 +234,9 @@ class Session:
         seeded ``--eval-ratio`` holdout of the training rows (None with ratio 0).
         ``check(rows, name)`` sees each loaded dataset before the holdout is taken."""
         cfg = self.cfg
-        path = cfg.dataset or data.make_default_path(DEFAULT_DATA[self.kind])
+        path = cfg.dataset
+        if path is None:
+            path = data.make_default_path(DEFAULT_DATA[self.kind])
         if cfg.eval_dataset is None and cfg.eval_split == cfg.split:
             raise ValueError(
                 f"--eval-split {cfg.eval_split!r} is the training split --split: evaluating on "
@@ -249,7 +251,7 @@ class Session:
             check(rows, f"--dataset (--split {cfg.split!r})")
         eval_rows = None
         if cfg.eval_dataset is not None or cfg.eval_split is not None:
-            source = cfg.eval_dataset or path
+            source = path if cfg.eval_dataset is None else cfg.eval_dataset
             eval_rows = data.load_mixture(source, None, cfg.eval_split or "train", cfg.seed, None)
             data.check_keys(eval_rows, keys, "evaluation dataset")
             data.check_values(eval_rows, keys, "evaluation dataset", chat)
