@@ -143,7 +143,11 @@ def as_cu_seqlens(cu_seqlens, device: torch.device, name: str = "cu_seqlens"):
         return cu_seqlens
     if isinstance(cu_seqlens, (list, tuple)):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
-            bad = [type(x).__name__ for x in cu_seqlens if not isinstance(x, int)][:3]
+            bad = [
+                f"{type(x).__name__} {x!r}"
+                for x in cu_seqlens
+                if isinstance(x, bool) or not isinstance(x, int)
+            ][:3]
             raise TypeError(f"{name} as a list/tuple must hold Python ints, got {bad}")
         return torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
     raise TypeError(

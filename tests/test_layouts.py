@@ -197,6 +197,8 @@ def test_cu_seqlens_lists_and_tuples():
     assert spread.tolist() == [1.0] * 3 + [2.0] * 4
     with pytest.raises(TypeError, match="cu_seqlens_k as a list/tuple must hold Python ints"):
         rk.varlen_attention(q, k, v, t, [0, 3.5, 7])
+    with pytest.raises(TypeError, match=r"must hold Python ints, got \['bool True'\]"):
+        rk.varlen_attention(q, k, v, t, [0, True, 7])  # named (the list of offenders was empty)
     with pytest.raises(TypeError, match="cu_seqlens must be an int32/int64 tensor or a list"):
         rk.gae(x, x, gamma=0.9, lam=0.9, cu_seqlens="0,3,7")
     with pytest.raises(ValueError, match="non-decreasing"):

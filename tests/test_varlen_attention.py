@@ -413,6 +413,26 @@ def test_window_size_any_integer_pair(window):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_side_reaching_max_seqlen_k_is_unbounded(backend):
+    """flash-attn makes a side >= max_seqlen_k unbounded: with 8 queries on 2 keys,
+    window (-1, 2) is full attention there (ours hid every key from 4 rows), while a larger
+    max_seqlen_k keeps the bound; a side beyond int64 overflowed the torch backend."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 1, 4, generator=g) for n in (8, 2, 2))
+    cu_q, cu_k = torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    kw = dict(causal=False, backend=backend)
+    full = varlen_attention(q, k, v, cu_q, cu_k, **kw)
+    torch.testing.assert_close(
+        varlen_attention(q, k, v, cu_q, cu_k, window_size=(-1, 2), **kw), full
+    )
+    bounded = varlen_attention(q, k, v, cu_q, cu_k, 8, 5, window_size=(-1, 2), **kw)
+    assert (bounded[:4] == 0).all() and (bounded[4:] != 0).all()  # 2 < max_seqlen_k 5: kept
+    qq, cu = torch.randn(4, 1, 4, generator=g), torch.tensor([0, 4], dtype=torch.int32)
+    huge = varlen_attention(qq, qq, qq, cu, cu, window_size=(2**70, 2**70), **kw)
+    torch.testing.assert_close(huge, varlen_attention(qq, qq, qq, cu, cu, **kw))
+
+
 @pytest.mark.parametrize(
     "window,exc,match",
     [

@@ -18,8 +18,9 @@ The attention function picks, in order:
 2. A 2-D padding mask ``(B, kv_len)``: the padded batch is unpadded, run varlen, re-padded.
    Causal layers: queries are the last ``S_q`` keys and padding query rows give 0. Non-causal
    layers (encoders, cross-attention) mask keys only and compute every query row, as SDPA does.
-   Each row's real tokens are one sequence: ``position_ids`` are not read here, so do not
-   combine padding with several samples packed in one row (pack without a mask instead).
+   Each row's real tokens are one sequence, or (causal self-attention with ``position_ids``)
+   several: a sample starts wherever the position does not increase (packed rows padded to a
+   multiple). ``cu_seq_lens_q/k`` with a padding mask are refused.
 3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`
    (validated at the first attention layer of each forward, cached for the others).
 4. ``position_ids``: a new sample starts wherever ``pos[t] != pos[t - 1] + 1`` (transformers'
@@ -242,6 +243,7 @@ def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
 # kwargs some layers pass that change the scores; ignoring one would be a silently wrong result
 _SCORE_MODIFIERS = ("position_bias", "s_aux", "sinks", "indices", "block_indices")
 _WARNED_ATTENTIONS = [False]
+_WARNED_NO_POSITIONS = [False]
 
 
 def rlhf_attention_forward(
@@ -359,7 +361,19 @@ def rlhf_attention_forward(
         backend=backend,
     )
     if attention_mask is not None:
-        return _padded_attention(q, k, v, attention_mask, window, common), None
+        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+            raise ValueError(
+                "cu_seq_lens_q/k (packed samples) came with a padding attention_mask: give one "
+                "of them (pack without a mask, or pad without cu_seq_lens; position_ids that "
+                "restart inside a padded row do split it). An all-ones mask is dropped in eager "
+                "mode; under torch.compile leave it out"
+            )
+        pos = kwargs.get("position_ids") if causal and s_q == s_k else None
+        if pos is not None and (pos.dim() != 2 or pos.shape[-1] != s_q):
+            raise ValueError(
+                f"position_ids must be (batch, {s_q}) or (1, {s_q}), got shape {tuple(pos.shape)}"
+            )
+        return _padded_attention(q, k, v, attention_mask, window, common, pos), None
 
     q, k, v = (
         q.reshape(-1, heads, dim),
@@ -416,13 +430,24 @@ def rlhf_attention_forward(
             cu, longest = _segments_from_position_ids(segments, _first_layer(module), step=0)
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)
     else:  # one sequence per row
+        if module.training and causal and s_q == s_k and not _WARNED_NO_POSITIONS[0]:
+            _WARNED_NO_POSITIONS[0] = True  # (Persimmon, GPTBigCode: packing can go unseen)
+            warnings.warn(
+                f"{type(module).__name__} does not pass position_ids to the attention function: "
+                f"each row is taken as one sample unless transformers marks packed samples, "
+                f"which it does only without a KV cache. For packed rows pass cu_seq_lens_q/k "
+                f"(packed_model_inputs) or use_cache=False",
+                stacklevel=2,
+            )
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
         out = varlen_attention(q, k, v, cu_q, cu_k, s_q, s_k, **common)
     return out.reshape(bsz, s_q, heads, -1), None
 
 
-def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
-    """Unpad a padded batch (q ``(B, S_q, H, D)``, k/v ``(B, S_k, KVH, D)``), run varlen, re-pad."""
+def _padded_attention(q, k, v, mask, window, common, pos=None) -> torch.Tensor:
+    """Unpad a padded batch (q ``(B, S_q, H, D)``, k/v ``(B, S_k, KVH, D)``), run varlen, re-pad.
+    ``pos``: causal self-attention's ``position_ids`` ``(B or 1, S)``: a row's real tokens are
+    further split where the position does not increase (samples packed in a padded row)."""
     bsz, s_q, heads, dim = q.shape
     s_k = k.shape[1]
     if mask.dim() != 2 or mask.shape[0] != bsz or mask.shape[1] < s_k:
@@ -445,11 +470,12 @@ def _padded_attention(q, k, v, mask, window, common) -> torch.Tensor:
     if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
         from rlhf_kernels.ops.compiled import padded_layout
 
-        idx_q, idx_k, cu_q, cu_k = padded_layout(mask, s_q, s_k, windowed, all_queries)
+        pos_b = None if pos is None else pos.expand(bsz, -1)
+        idx_q, idx_k, cu_q, cu_k = padded_layout(mask, s_q, s_k, windowed, all_queries, pos_b)
         max_q = max_k = None
     else:
         idx_q, idx_k, cu_q, cu_k, max_q, max_k = _padded_layout(
-            mask, s_q, s_k, windowed, all_queries
+            mask, s_q, s_k, windowed, all_queries, pos
         )
     out = varlen_attention(
         q.reshape(-1, heads, dim)[idx_q],
@@ -471,8 +497,9 @@ _MASK_CACHE_LOCK = threading.Lock()
 _MASK_CACHE: list = []
 
 
-def _padded_layout(mask, s_q: int, s_k: int, windowed: bool, all_queries: bool = False):
-    """Token indices, ``cu_seqlens`` and max lengths of a padded batch's real tokens.
+def _padded_layout(mask, s_q: int, s_k: int, windowed: bool, all_queries: bool = False, pos=None):
+    """Token indices, ``cu_seqlens`` and max lengths of a padded batch's real tokens (split
+    further at position restarts with ``pos``, see :func:`_padded_attention`).
 
     Every layer of a forward passes the same mask tensor (a model alternating sliding and full
     layers, two): the layout is computed (with its one host read) for the first layer of each
@@ -482,18 +509,22 @@ def _padded_layout(mask, s_q: int, s_k: int, windowed: bool, all_queries: bool =
     made for this forward (a new tensor each forward), so the cache never outlives a forward.
     """
     key = (s_q, s_k, all_queries, mask.shape)  # not windowed: alternating layers share it
+    pos_key = None if pos is None else (weakref.ref(pos), _version(pos))
     with _MASK_CACHE_LOCK:
         for hit in _MASK_CACHE:
-            if hit[0]() is mask and hit[1] == _version(mask) and hit[2] == key:
+            same_pos = (hit[4] is None) == (pos is None) and (
+                pos is None or (hit[4][0]() is pos and hit[4][1] == pos_key[1])
+            )
+            if hit[0]() is mask and hit[1] == _version(mask) and hit[2] == key and same_pos:
                 layout, holes = hit[3]
                 if windowed and holes:
                     raise _holes_error()
                 return layout
-    layout, holes = _padded_layout_uncached(mask, s_q, s_k, all_queries)
+    layout, holes = _padded_layout_uncached(mask, s_q, s_k, all_queries, pos)
     with _MASK_CACHE_LOCK:
         _MASK_CACHE[:] = [
             *_MASK_CACHE[-1:],
-            (weakref.ref(mask), _version(mask), key, (layout, holes)),
+            (weakref.ref(mask), _version(mask), key, (layout, holes), pos_key),
         ]
     if windowed and holes:
         raise _holes_error()
@@ -508,9 +539,11 @@ def _holes_error() -> ValueError:
     )
 
 
-def _padded_layout_uncached(mask, s_q: int, s_k: int, all_queries: bool = False):
+def _padded_layout_uncached(mask, s_q: int, s_k: int, all_queries: bool = False, pos=None):
     """``((idx_q, idx_k, cu_q, cu_k, max_q, max_k), holes)``: ``holes`` tells whether some row
-    has padding between real tokens (sliding windows refuse it). One host read."""
+    has padding between real tokens (sliding windows refuse it). One host read. ``pos``
+    (causal self-attention, ``s_q == s_k``): a sample also starts at each real token whose
+    position is not above the previous real token's of its row."""
     mask_k = mask[:, -s_k:].bool()
     if all_queries:
         mask_q = torch.ones(mask.shape[0], s_q, dtype=torch.bool, device=mask.device)
@@ -520,11 +553,18 @@ def _padded_layout_uncached(mask, s_q: int, s_k: int, all_queries: bool = False)
     idx_q = mask_q.reshape(-1).nonzero().flatten()
     idx_k = mask_k.reshape(-1).nonzero().flatten()
     n_q, n_k = mask_q.sum(1), mask_k.sum(1)
+    cu_q, cu_k = _cu_from_counts(n_q), _cu_from_counts(n_k)
+    if pos is not None:  # idx_q == idx_k: one cu_seqlens for both
+        p = pos.expand(mask.shape[0], -1).reshape(-1)[idx_q]
+        start = torch.ones_like(p, dtype=torch.bool)
+        start[1:] = p[1:] <= p[:-1]
+        start[cu_q[:-1][n_q > 0].long()] = True  # every row's first real token
+        cu_q = cu_k = torch.cat([start.nonzero().flatten(), cu_q[-1:].long()]).to(torch.int32)
+        n_q = n_k = cu_q[1:] - cu_q[:-1]
     max_q, max_k, most_runs = (
         int(x) for x in torch.stack([n_q.max(), n_k.max(), runs.max()]).tolist()
-    )
-    layout = idx_q, idx_k, _cu_from_counts(n_q), _cu_from_counts(n_k), max_q, max_k
-    return layout, most_runs > 1
+    ) if n_q.numel() else (0, 0, 0)  # fmt: skip
+    return (idx_q, idx_k, cu_q, cu_k, max_q, max_k), most_runs > 1
 
 
 def padding_mask(

@@ -178,27 +178,32 @@ def _(position_ids, step=1):
 
 @torch.library.custom_op("rlhf_kernels::padded_layout", mutates_args=())
 def padded_layout(
-    mask: Tensor, s_q: int, s_k: int, windowed: bool, all_queries: bool
+    mask: Tensor, s_q: int, s_k: int, windowed: bool, all_queries: bool, pos: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from rlhf_kernels.integrations.hf import _holes_error, _padded_layout_uncached
 
-    (idx_q, idx_k, cu_q, cu_k, _, _), holes = _padded_layout_uncached(mask, s_q, s_k, all_queries)
+    (idx_q, idx_k, cu_q, cu_k, _, _), holes = _padded_layout_uncached(
+        mask, s_q, s_k, all_queries, pos
+    )
+    if pos is not None:
+        cu_k = cu_k.clone()  # outputs of an op may not alias each other
     if windowed and holes:
         raise _holes_error()
     return idx_q, idx_k, cu_q, cu_k
 
 
 @padded_layout.register_fake
-def _(mask, s_q, s_k, windowed, all_queries):
+def _(mask, s_q, s_k, windowed, all_queries, pos=None):
     ctx = torch.library.get_ctx()
     n_q, n_k = ctx.new_dynamic_size(), ctx.new_dynamic_size()  # real tokens: data-dependent
-    b = mask.shape[0]
+    # samples: one per row, or (with pos) data-dependent
+    n_cu = mask.shape[0] + 1 if pos is None else ctx.new_dynamic_size()
     i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
     return (
         mask.new_empty(n_q, **i64),
         mask.new_empty(n_k, **i64),
-        mask.new_empty(b + 1, **i32),
-        mask.new_empty(b + 1, **i32),
+        mask.new_empty(n_cu, **i32),
+        mask.new_empty(n_cu, **i32),
     )
 
 

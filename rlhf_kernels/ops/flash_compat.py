@@ -92,8 +92,10 @@ def flash_attn_func(
         raise ValueError(
             f"q, k, v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
         )
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     rows = torch.arange(b + 1, dtype=torch.int32, device=q.device)
     cu_q, cu_k = rows * sq, rows * sk

@@ -319,6 +319,7 @@ def _check_inputs(
             f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}"
         )
     longest_q, longest_k = _longest(cu_q), _longest(cu_k)
+    bound = longest_k  # flash-attn's: the max_seqlen_k given, else the longest key sequence
     for name, given, longest in (
         ("max_seqlen_q", max_seqlen_q, longest_q),
         ("max_seqlen_k", max_seqlen_k, longest_k),
@@ -332,9 +333,13 @@ def _check_inputs(
                 ) from None
         if given is not None and given < longest:
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
+        bound = given if name == "max_seqlen_k" and given is not None else bound
     if not (is_scalar(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    return cu_q, cu_k, longest_q, longest_k, _window_pair(window_size)
+    # a side reaching max_seqlen_k is unbounded, as flash-attn sets it (with more queries than
+    # keys plus the right side, a bounded right side would leave the first rows without keys)
+    window = tuple(-1 if w >= bound else w for w in _window_pair(window_size))
+    return cu_q, cu_k, longest_q, longest_k, window
 
 
 def _longest(cu: list[int]) -> int:
@@ -418,7 +423,7 @@ def varlen_attention(
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: bottom-right aligned causal mask (a bool).
         window_size: ``(left, right)`` sliding window, any length-2 sequence or integer tensor;
-            -1 means unbounded.
+            -1 means unbounded, and so does a side >= ``max_seqlen_k`` (flash-attn's rule).
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2); 0 or None
             is off.
         return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32 (natural log of the
