@@ -26,6 +26,8 @@ def main(argv=None):
     ap.add_argument("--total", type=int, default=32768)
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("attn_sweep.py needs a CUDA device")
     out = []
     for dim in args.dims:
         heads = 2048 // dim

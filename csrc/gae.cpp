@@ -172,7 +172,8 @@ void forward_rows(const scalar_t* __restrict__ r, const scalar_t* __restrict__ v
       }
       acc_t delta = rt;
       if (kValues) delta = (rt + g * v_next[k]) - vt;
-      carry[k] = delta + c * carry[k];
+      // c == 0 (gamma or lam 0): nothing later reaches t, even inf (0 * inf = NaN)
+      carry[k] = c == acc_t(0) ? delta : delta + c * carry[k];
       adv[t] = static_cast<scalar_t>(carry[k]);
       if (kValues) {
         ret[t] = static_cast<scalar_t>(carry[k] + vt);
@@ -270,7 +271,7 @@ void backward_segment(const scalar_t* __restrict__ ga, const scalar_t* __restric
   for (int64_t t = lo; t < hi; ++t) {
     const acc_t gat = ga ? static_cast<acc_t>(ga[t]) : acc_t(0);
     const acc_t grt = (kValues && gr) ? static_cast<acc_t>(gr[t]) : acc_t(0);
-    const acc_t gx = (gat + grt) + c * prev;
+    const acc_t gx = c == acc_t(0) ? gat + grt : (gat + grt) + c * prev;
     const acc_t mt = mask_at<mask_t, acc_t>(m, t);
     if constexpr (kHasMask<mask_t>) {
       dr[t] = static_cast<scalar_t>(gx * mt);

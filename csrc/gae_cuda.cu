@@ -56,6 +56,13 @@ __device__ __forceinline__ Bounds bounds(int64_t s, int64_t T, int64_t N, const 
   return {lo, hi};
 }
 
+// b * y, 0 where b == 0: a zero coefficient cuts the recurrence, even before an inf (0 * inf
+// would be NaN), as the CPU op and the scan do
+template <typename acc_t>
+__device__ __forceinline__ acc_t times(acc_t b, acc_t y) {
+  return b == acc_t(0) ? acc_t(0) : b * y;
+}
+
 // Block-wide exclusive suffix composition of the threads' maps. Thread i's map (a, b) takes the
 // value entering its tokens to the value leaving them; on return (ea, eb) is the composition of
 // the maps of threads i + 1 .. kThreads - 1 (identity for the last thread) and (ta, tb) that of
@@ -69,7 +76,7 @@ __device__ __forceinline__ void suffix_scan(acc_t a, acc_t b, acc_t& ea, acc_t& 
     const acc_t a2 = __shfl_down_sync(0xffffffffu, a, off);
     const acc_t b2 = __shfl_down_sync(0xffffffffu, b, off);
     if (lane + off < 32) {
-      a = a + b * a2;
+      a = a + times(b, a2);
       b = b * b2;
     }
   }
@@ -80,13 +87,13 @@ __device__ __forceinline__ void suffix_scan(acc_t a, acc_t b, acc_t& ea, acc_t& 
   __syncthreads();
   acc_t A = 0, B = 1;  // the warps after this one
   for (int w = kWarps - 1; w > warp; --w) {
-    A = sa[w] + sb[w] * A;
+    A = sa[w] + times(sb[w], A);
     B = sb[w] * B;
   }
   ta = A;
   tb = B;
   for (int w = warp; w >= 0; --w) {  // ... and all of them
-    ta = sa[w] + sb[w] * ta;
+    ta = sa[w] + times(sb[w], ta);
     tb = sb[w] * tb;
   }
   acc_t na = __shfl_down_sync(0xffffffffu, a, 1);
@@ -95,7 +102,7 @@ __device__ __forceinline__ void suffix_scan(acc_t a, acc_t b, acc_t& ea, acc_t& 
     na = 0;
     nb = 1;
   }
-  ea = na + nb * A;
+  ea = na + times(nb, A);
   eb = nb * B;
   __syncthreads();  // sa / sb are reused by the next tile
 }
@@ -139,23 +146,23 @@ __global__ void fused_forward_kernel(const scalar_t* __restrict__ r,
         x[j] = kValues ? (rt + g * v_next) - vt : rt;
         vm[j] = vt;
         v_next = vt;
-        a = x[j] + c * a;
+        a = x[j] + times(c, a);
         b = c * b;
       }
     }
     acc_t ea, eb, ta, tb;
     suffix_scan(a, b, ea, eb, ta, tb, sa, sb);
-    acc_t y = ea + eb * carry;
+    acc_t y = ea + times(eb, carry);
 #pragma unroll
     for (int j = kItems - 1; j >= 0; --j) {
       const int64_t t = base + j;
       if (t >= bd.lo) {
-        y = x[j] + c * y;
+        y = x[j] + times(c, y);
         adv[t] = static_cast<scalar_t>(y);
         if (kValues) ret[t] = static_cast<scalar_t>(y + vm[j]);
       }
     }
-    carry = ta + tb * carry;
+    carry = ta + times(tb, carry);
   }
 }
 
@@ -185,18 +192,18 @@ __global__ void fused_backward_kernel(const scalar_t* __restrict__ ga,
         const acc_t gat = ga ? static_cast<acc_t>(ga[t]) : acc_t(0);
         grv[j] = (kValues && gr) ? static_cast<acc_t>(gr[t]) : acc_t(0);
         x[j] = gat + grv[j];
-        a = x[j] + c * a;
+        a = x[j] + times(c, a);
         b = c * b;
       }
     }
     acc_t ea, eb, ta, tb;
     suffix_scan(a, b, ea, eb, ta, tb, sa, sb);
-    acc_t prev = ea + eb * carry;
+    acc_t prev = ea + times(eb, carry);
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int64_t t = base + j;
       if (t < bd.hi) {
-        const acc_t gx = x[j] + c * prev;
+        const acc_t gx = x[j] + times(c, prev);
         const acc_t mt = mask_at<mask_t, acc_t>(m, t);
         dr[t] = static_cast<scalar_t>(kHasMask<mask_t> ? gx * mt : gx);
         if (kValues) {
@@ -206,7 +213,7 @@ __global__ void fused_backward_kernel(const scalar_t* __restrict__ ga,
         prev = gx;
       }
     }
-    carry = ta + tb * carry;
+    carry = ta + times(tb, carry);
   }
 }
 

@@ -38,3 +38,23 @@ def test_gain_windows_never_overlap():
         demo.parse_args(["--rl-steps", "1"])
     with pytest.raises(SystemExit):  # NaN: every gain passed the check
         demo.parse_args(["--min-gain", "nan"])
+
+
+def test_bad_demo_arguments_and_failed_stages_end_in_one_line(tmp_path, capsys, monkeypatch):
+    """--sft-steps 0 ran the SFT stage into a CalledProcessError traceback; now argparse
+    refuses it, and a failing stage ends the demo with that stage's exit code."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import pytest
+
+    from trainers import demo
+
+    for flags in (["--sft-steps", "0"], ["--seed", "-1"], ["--rl-steps", "1"]):
+        with pytest.raises(SystemExit) as e:
+            demo.parse_args(flags)
+        assert e.value.code == 2
+    monkeypatch.setattr(subprocess, "run", lambda cmd: SimpleNamespace(returncode=2))
+    with pytest.raises(SystemExit) as e:
+        demo.run("sft", ["--output-dir", str(tmp_path)])
+    assert e.value.code == 2 and "the sft stage failed (exit code 2)" in capsys.readouterr().err

@@ -505,6 +505,11 @@ def test_a_non_finite_sample_stays_in_its_sequence(backend):
         for out, first in ((adv, 1 + 0.81 * 2), (ret, 1 + 0.81 * 2), (g, 1 + 0.9 * 2)):
             assert out[[0, 1, 3]].tolist() == pytest.approx([first, 2.0, 3.0]), out
             assert out[2] == float("inf")
+    # lam = 0 / gamma = 0 inside one sequence: the fused op gave NaN (0 * inf), the scan not
+    r = torch.tensor([1.0, 2.0, float("inf"), 4.0])
+    adv, _ = gae(r, torch.zeros(4), gamma=0.9, lam=0.0, cu_seqlens=[0, 4], backend=backend)
+    g = discounted_returns(r[None], gamma=0.0, mask=torch.ones(1, 4), backend=backend)[0]
+    assert adv.tolist() == g.tolist() == r.tolist()
     x = torch.tensor([[1.0, 2.0, float("nan"), 4.0]] * 2)
     c = torch.tensor([[0.5, 0.0, 0.5, 0.0]] * 2)
     want = torch.tensor([2.0, 2.0, float("nan"), 4.0])

@@ -531,6 +531,16 @@ def test_ppo_bad_input_is_one_clear_error(tmp_path):
             1,
             "has a tokenizer with another vocabulary than the policy's",
         ),
+        "critic tokenizer": (  # the critic folder went unchecked: it trained silently
+            ["--advantage-estimator", "gae", "--critic-model", str(other_rm)],
+            1,
+            "--critic-model '" + str(other_rm) + "' has a tokenizer with another vocabulary",
+        ),
+        "critic folder": (  # a traceback after the actor and reference were built
+            ["--advantage-estimator", "gae", "--critic-model", str(tmp_path / "nowhere")],
+            1,
+            "is not a model folder",
+        ),
         "no packing": (["--no-packing"], 1, "always packed"),
         "reward keyword column": (
             ["--dataset", str(clash), "--eval-ratio", "0"],

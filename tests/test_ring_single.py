@@ -131,6 +131,17 @@ def test_bad_input_without_process_group():
         ring_varlen_attention(x, x, x, RingPlan.build(_cu([plan.local_len]), 2))
     with pytest.raises(TypeError, match="window_size must be"):  # was taken as (1, 0)
         ring_varlen_attention(x, x, x, plan, window_size=(True, 0))
+    # no heads / head_dim 0: output (L, 0, D) or a ZeroDivisionError before
+    for shape in ((plan.local_len, 0, 8), (plan.local_len, 2, 0)):
+        y, kv = torch.randn(shape), torch.randn(plan.local_len, 1, shape[2])
+        with pytest.raises(ValueError, match="at least one head and head_dim >= 1"):
+            ring_varlen_attention(y, kv, kv, plan)
+    # an int64 overflow on one rank left the others waiting; a huge side is unbounded
+    with pytest.raises(ValueError, match="tile and window sides must be below 2"):
+        ring_varlen_attention(x, x, x, plan, tile=2**63)
+    full = ring_varlen_attention(x, x, x, plan, causal=False)
+    huge = ring_varlen_attention(x, x, x, plan, causal=False, window_size=(2**63, 2**70))
+    torch.testing.assert_close(huge, full)
 
 
 def test_scalar_options_checked_softcap_none_is_off():

@@ -58,8 +58,9 @@ def _biased(model, token: int) -> nn.Module:
 # a hub generation_config.json's sampling defaults (exaggerated so that they show on the random
 # tiny model), which the engine must override
 HUB_DEFAULTS = dict(
-    do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=5.0, min_p=0.5
-)
+    do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=5.0, min_p=0.5,
+    forced_eos_token_id=5, exponential_decay_length_penalty=(1, 3.0),  # (were left on)
+)  # fmt: skip
 
 
 def _check_shape(out, n, max_new, eos):

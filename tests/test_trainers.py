@@ -446,6 +446,13 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     (root / ".del-step-000006").rename(root / "step-000006")
     save_checkpoint(Engine(), tmp_path, 3, {}, keep=1)  # an older step saved last is kept
     assert sorted(p.name for p in root.iterdir()) == ["step-000003"]
+    # a crashed re-save's only copy (.old-step-N) counts and goes; a folder without a state
+    # file is not a checkpoint: neither counted nor deleted
+    (root / "step-000003").rename(root / ".old-step-000003")
+    (root / "step-000001").mkdir()
+    save_checkpoint(Engine(), tmp_path, 4, {}, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000004"]
+    (root / "step-000001").rmdir()
     for step in (5, 7):
         save_checkpoint(Engine(), tmp_path, step, {})
     assert len(list(root.iterdir())) == 3

@@ -135,17 +135,22 @@ def save_checkpoint(
 
 
 def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
-    """Delete committed ``step-N`` folders of ``root`` beyond ``newest`` and the next newest
-    ``keep - 1``; returns the deleted paths. Each is renamed to ``.del-step-N`` first: a crash
-    midway leaves a folder :func:`latest_checkpoint` ignores (the next save removes it)."""
+    """Delete the checkpoints of ``root`` beyond ``newest`` and the next newest ``keep - 1``;
+    returns the deleted paths. Checkpoints: committed ``step-N`` folders and ``.old-step-N``
+    ones left alone by a crashed re-save (what :func:`latest_checkpoint` can take); folders
+    without a state file are neither counted nor deleted. Each is renamed to ``.del-step-N``
+    first: a crash midway leaves a folder resume ignores (the next save removes it)."""
     others = sorted(
         (int(m.group(2)), p)
         for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and m.group(1) is None and p != newest
+        if (m := _STEP_DIR.match(p.name))
+        and p != newest
+        and (p / "trainer_state.json").is_file()
+        and (m.group(1) is None or not (root / p.name[len(".old-") :]).exists())
     )
     doomed = [p for _, p in others[: max(0, len(others) - (keep - 1))]]
     for p in doomed:
-        gone = p.with_name(f".del-{p.name}")
+        gone = p.with_name(f".del-{p.name.removeprefix('.old-')}")
         os.replace(p, gone)
         shutil.rmtree(gone, ignore_errors=True)
     return doomed

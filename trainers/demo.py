@@ -36,7 +36,10 @@ def run(module: str, args: list[str]) -> float:
     cmd = [sys.executable, "-m", f"trainers.{module}", *args]
     print("$ " + " ".join(shlex.quote(c) for c in ["python", *cmd[1:]]), flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    code = subprocess.run(cmd).returncode
+    if code:  # the stage printed its own error: end with that stage's code, no traceback
+        print(f"demo: the {module} stage failed (exit code {code})", file=sys.stderr)
+        raise SystemExit(code)
     return time.perf_counter() - t0
 
 
@@ -65,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not math.isfinite(args.min_gain):
         p.error(f"--min-gain must be a finite number, got {args.min_gain}")
+    if args.sft_steps < 1:
+        p.error(f"--sft-steps must be >= 1, got {args.sft_steps}")
+    if not 0 <= args.seed < 2**32:
+        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.rl_steps is not None and args.rl_steps < 2:  # before the SFT stage's minutes
         p.error(f"--rl-steps: the reward of the first and last steps is compared: need >= 2, got "
                 f"{args.rl_steps}")  # fmt: skip

@@ -694,6 +694,8 @@ def train(cfg: PPOConfig) -> dict:
     cfg = resolve_defaults(cfg)
     s = Session.start(cfg, "ppo")
     rows, eval_rows = s.load_prompts()
+    if cfg.critic_model:  # checked before any model is built, as --reward-model
+        s.check_critic_folder(cfg.critic_model)
     reward = s.load_reward()
     lm = s.load_causal_lm()
     engine, start = s.build(Actor(lm, cfg.temperature), check_tp_inputs=False)
@@ -809,6 +811,11 @@ def main(argv=None) -> dict:
         "clipped updates on token-budget micro-batches (DeepSpeed ZeRO / AutoTP).",
     )
     return train(cfg)
+
+
+def cli() -> None:
+    """The ``rlhf-ppo`` command: :func:`main` without its return value (exit code 0)."""
+    main()
 
 
 if __name__ == "__main__":

@@ -263,5 +263,10 @@ def main(argv=None) -> dict:
     return train(cfg)
 
 
+def cli() -> None:
+    """The ``rlhf-rm`` command: :func:`main` without its return value (exit code 0)."""
+    main()
+
+
 if __name__ == "__main__":
     main()

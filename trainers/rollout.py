@@ -65,6 +65,11 @@ _NEUTRAL = {
     "min_new_tokens": None,
     "num_beams": 1,
     "renormalize_logits": False,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "guidance_scale": None,
+    "watermarking_config": None,
 }
 _GREEDY = {"temperature": None, "top_p": None, "top_k": None}
 

@@ -446,6 +446,24 @@ class Session:
             common.fail(f"--model {self.model_path}: {e}")
         return model
 
+    def check_critic_folder(self, path: str) -> None:
+        """Fail in one line unless ``path`` (``--critic-model``) is a model folder of a family
+        that packs here and reads the policy's token ids (as ``--reward-model`` is checked)."""
+        from transformers import AutoConfig
+
+        what = f"--critic-model {path!r}"
+        try:
+            ccfg = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            common.fail(f"{what} is not a model folder: {e}")
+        _check_attention_interface(ccfg, what, "not supported as critics here")
+        problem = _tokenizer_mismatch(self.tokenizer, path, ccfg)
+        if problem:
+            common.fail(
+                f"{what} {problem}: it reads the policy's token ids, so it needs the policy's "
+                f"tokenizer"
+            )
+
     def load_score_model(self, path: str | None = None):
         """``*ForSequenceClassification`` (one label) from a causal LM or reward-model folder.
         A folder without a ``score`` head (a causal LM) gets a fresh one initialised from
@@ -515,7 +533,8 @@ class Session:
                 if start > self.total:
                     common.fail(
                         f"--resume: {ckpt} is at step {start}, past this run's {self.total} "
-                        f"steps: raise --max-steps / --epochs to continue it, or start a new run"
+                        f"steps: raise --max-steps (without it, --epochs) to continue it, or "
+                        f"start a new run"
                     )
                 apply_optimizer_flags(engine, self.cfg.lr, self.cfg.weight_decay)
                 self.print(f"resumed from {ckpt} (step {start})")
@@ -619,9 +638,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 
 def _tokenizer_mismatch(policy_tok, path: str, rcfg) -> str:
-    """Why a reward model at ``path`` cannot read the policy's token ids ('' when it can): its
-    saved tokenizer numbers some policy token differently (extra tokens of its own are fine),
-    or (no tokenizer saved) its embedding is smaller than the policy's vocabulary."""
+    """Why a reward model (or critic) at ``path`` cannot read the policy's token ids ('' when it
+    can): its saved tokenizer numbers some policy token differently (extra tokens of its own are
+    fine), or (no tokenizer saved) its embedding is smaller than the policy's vocabulary."""
     from transformers import AutoTokenizer
 
     tok = None

@@ -175,5 +175,10 @@ def main(argv=None) -> dict:
     return train(cfg)
 
 
+def cli() -> None:
+    """The ``rlhf-sft`` command: :func:`main` without its return value (exit code 0)."""
+    main()
+
+
 if __name__ == "__main__":
     main()

@@ -7,20 +7,22 @@
 - ``"dr_grpo"``: ``r - mean_g`` (Dr. GRPO: no std scaling).
 - ``"rloo"``: ``r - (sum_g - r) / (G - 1)`` (leave-one-out baseline).
 - ``"reinforce_baseline"``: ``(r - mean_g) / (std_batch + eps)`` (REINFORCE++-baseline: group
-  mean baseline, then one std over the whole batch of the centred rewards, as OpenRLHF's and
-  verl's whitening of the centred scores; the raw rewards' std would also count the spread
-  between prompts).
+  mean baseline, then one std over the whole batch of the centred scalar rewards, one number per
+  response; the raw rewards' std would also count the spread between prompts). OpenRLHF instead
+  whitens the per-token returns (KL penalty included) over all response tokens, which also
+  subtracts their mean and weighs long responses more.
 
 All math is vectorised over groups: ``(N,) -> (N / G, G)``.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 
-from rlhf_kernels._checks import check_mask, is_real
+from rlhf_kernels._checks import check_mask, is_scalar
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 
@@ -115,5 +117,6 @@ def whiten(
 
 
 def _check_eps(eps) -> None:
-    if not (is_real(eps, finite=True) and eps >= 0):
+    """A finite number >= 0 (a 0-d tensor too, as the losses' options)."""
+    if not (is_scalar(eps) and math.isfinite(float(eps)) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")

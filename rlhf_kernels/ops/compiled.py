@@ -109,7 +109,12 @@ def varlen_attention_bwd(
     backend: str,
     deterministic: bool,
     dlse: Tensor | None = None,
+    max_k: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    from rlhf_kernels.ops.varlen_attention import unbounded_window, varlen_attention
+
+    # the forward's window: judged against its max_seqlen_k (-1: the longest key sequence)
+    left, right = unbounded_window((left, right), max_k if max_k >= 0 else _max_len(cu_k))
     if backend == "triton":
         from rlhf_kernels.ops.varlen_attention_triton import varlen_attention_triton_backward
 
@@ -120,11 +125,11 @@ def varlen_attention_bwd(
                 _max_len(cu_q32), _max_len(cu_k32), scale, causal, (left, right),
                 softcap, dlse=dlse,
             )  # fmt: skip
-    from rlhf_kernels.ops.varlen_attention import varlen_attention
 
     def fwd(q, k, v):
         return varlen_attention(
-            q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal, window_size=(left, right),
+            q, k, v, cu_q, cu_k, None, None if max_k < 0 else max_k, softmax_scale=scale,
+            causal=causal, window_size=(left, right),
             softcap=softcap, return_lse=dlse is not None, backend=backend,
             deterministic=deterministic,
         )  # fmt: skip
@@ -138,14 +143,14 @@ def varlen_attention_bwd(
 
 @varlen_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, backend, det,
-      dlse=None):  # fmt: skip
+      dlse=None, max_k=-1):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, _, _, *params = inputs  # scale, causal, ..., deterministic, with_lse
+    q, k, v, cu_q, cu_k, _, max_k, *params = inputs  # scale, causal, ..., deterministic, with_lse
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
-    ctx.params = tuple(params[:-1])
+    ctx.params, ctx.max_k = tuple(params[:-1]), max_k
 
 
 def _backward(ctx, dout, dlse):
@@ -153,7 +158,7 @@ def _backward(ctx, dout, dlse):
     # the lse is differentiable wherever it was returned (triton always, others on request)
     dlse = dlse.contiguous() if dlse is not None and lse.numel() else None
     dq, dk, dv = varlen_attention_bwd(
-        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse
+        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.params, dlse=dlse, max_k=ctx.max_k
     )
     return dq, dk, dv, *(None,) * 12
 

@@ -261,9 +261,10 @@ def _window_pair(window_size) -> tuple[int, int]:
         if isinstance(w, bool) or (isinstance(w, torch.Tensor) and w.dtype == torch.bool):
             raise TypeError(f"{expected}, got a bool entry: {given!r}")
         try:
-            pair.append(operator.index(w))  # int, numpy int, 0-d integer tensor
+            w = operator.index(w)  # int, numpy int, 0-d integer tensor
         except TypeError:
             raise TypeError(f"{expected}, got a {type(w).__name__} entry: {given!r}") from None
+        pair.append(-1 if w >= 2**31 else w)  # past any int32 cu_seqlens: unbounded (fits int64)
     return pair[0], pair[1]
 
 
@@ -336,10 +337,14 @@ def _check_inputs(
         bound = given if name == "max_seqlen_k" and given is not None else bound
     if not (is_scalar(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    # a side reaching max_seqlen_k is unbounded, as flash-attn sets it (with more queries than
-    # keys plus the right side, a bounded right side would leave the first rows without keys)
-    window = tuple(-1 if w >= bound else w for w in _window_pair(window_size))
-    return cu_q, cu_k, longest_q, longest_k, window
+    return cu_q, cu_k, longest_q, longest_k, unbounded_window(_window_pair(window_size), bound)
+
+
+def unbounded_window(window: tuple[int, int], bound: int) -> tuple[int, int]:
+    """flash-attn's rule: a side reaching ``bound`` (``max_seqlen_k``: as given, else the longest
+    key sequence) is unbounded, -1 (with more queries than keys plus the right side, a bounded
+    right side would leave the first rows without keys)."""
+    return tuple(-1 if w >= bound else w for w in window)
 
 
 def _longest(cu: list[int]) -> int:
@@ -565,7 +570,9 @@ def _flash_attn_varlen(
         cu_seqlens_q.int(),
         cu_seqlens_k.int(),
         max(lens_q, default=0),
-        max(lens_k, default=0),
+        # flash-attn unbounds a side >= this: a right side kept bounded (below the caller's
+        # max_seqlen_k, see unbounded_window) must stay below it
+        max(max(lens_k, default=0), window_size[1] + 1),
         dropout_p=dropout_p,
         softmax_scale=scale,
         causal=causal,

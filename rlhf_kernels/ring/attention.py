@@ -353,7 +353,8 @@ def ring_varlen_attention(
             softmax_scale,
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    window = (int(window_size[0]), int(window_size[1]))
+    # a side past any int32 position is unbounded (as varlen_attention's _window_pair)
+    window = tuple(-1 if int(w) >= 2**31 else int(w) for w in window_size)
     spec = _Spec(
         plan, group, rank, bool(causal), scale, window, float(softcap), comm, kv_head_stride, tile
     )

@@ -131,6 +131,8 @@ def _local_problem(
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return 3, f"heads of q ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})"
+    if q.shape[1] == 0 or q.shape[2] == 0:
+        return 3, f"q must have at least one head and head_dim >= 1, got shape {tuple(q.shape)}"
     if len({q.device, k.device, v.device}) > 1:
         return 3, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
     if comm not in COMMS:
@@ -150,6 +152,12 @@ def _local_problem(
         return 3, f"kv_head_stride must be a positive int or None, got {kv_head_stride!r}"
     if not isinstance(tile, int) or tile < 1:
         return 3, f"tile must be a positive int, got {tile!r}"
+    sizes = [kv_head_stride or 0, tile, *(w for w in window if w < 2**31)]  # (int64 facts)
+    if any(abs(x) >= 2**62 for x in sizes):
+        return 3, (
+            f"kv_head_stride, tile and window sides must be below 2**62 (a window side >= 2**31 "
+            f"is unbounded), got {kv_head_stride!r}, {tile!r}, {window_size!r}"
+        )
     return 0, ""
 
 
@@ -168,7 +176,9 @@ def validate_ring_call(
     others wait until the collective timeout. It does so only when a call with its options
     (causal, window, softcap, comm, stride, tile, scale) passed before: with new options (a
     model alternating sliding and full layers) the others check too, so it joins them. Plans are
-    built per batch, so the first call of every batch keeps the every-rank guarantee.
+    built per batch, so the first call of every batch keeps the every-rank guarantee as long as
+    every rank builds a new plan for it: a rank that alone reuses an earlier batch's (checked)
+    plan object with the same local length is not caught, and attends by the wrong plan.
     """
     key = None
     try:  # unhashable or malformed options: no key, the checks below name the problem
@@ -204,8 +214,7 @@ def validate_ring_call(
             q.shape[2],
             DTYPES.index(q.dtype),
             int(causal),
-            int(window_size[0]),
-            int(window_size[1]),
+            *(-1 if int(w) >= 2**31 else int(w) for w in window_size),  # (int64 facts)
             _bits(softcap),
             COMMS.index(comm),
             kv_head_stride or 0,
