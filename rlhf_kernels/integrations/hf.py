@@ -20,7 +20,9 @@ The attention function picks, in order:
    layers (encoders, cross-attention) mask keys only and compute every query row, as SDPA does.
    Each row's real tokens are one sequence, or (causal self-attention with ``position_ids``)
    several: a sample starts wherever the position does not increase (packed rows padded to a
-   multiple). ``cu_seq_lens_q/k`` with a padding mask are refused.
+   multiple; whole-row forwards only: a decode step after a KV cache, with fewer queries than
+   keys, has no key positions and sees its whole row). ``cu_seq_lens_q/k`` with a padding mask
+   are refused.
 3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`
    (validated at the first attention layer of each forward, cached for the others).
 4. ``position_ids``: a new sample starts wherever ``pos[t] != pos[t - 1] + 1`` (transformers'
