@@ -321,6 +321,19 @@ def test_mixed_column_types(tmp_path):
     for order in ((ints, floats), (floats, ints)):
         mixed = load_mixture(",".join(map(str, order)), None, "train", 0, None)
         assert sorted(mixed["response"]) == [0.0, 1.0, 1.5, 2.0]
+    # class labels mixed with text keep their names (not "0" / "1")
+    labelled = datasets.Dataset.from_dict(
+        {"prompt": ["a", "b"], "response": [0, 1]},
+        features=datasets.Features(
+            {
+                "prompt": datasets.Value("string"),
+                "response": datasets.ClassLabel(names=["no", "yes"]),
+            }
+        ),
+    )
+    labelled.save_to_disk(str(tmp_path / "labelled"))
+    mixed = load_mixture(f"{tmp_path / 'labelled'},{strs}", None, "train", 0, None)
+    assert mixed["response"][:3] == ["no", "yes", "word"]
 
 
 def test_check_keys_message():

@@ -97,8 +97,9 @@ def _parse_probs(probs: str, n: int) -> list[float]:
 def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[datasets.Dataset]:
     """Keep only the columns every part has (first part's order), each cast to one type: the
     parts' own when they agree; text when any part has text there (numbers become their
-    digits, and text such as "0007" is never parsed as a number); int64 / float64 when the parts
-    mix numbers and booleans; else the first part's (a failing cast names the part)."""
+    digits, class labels their names, and text such as "0007" is never parsed as a number);
+    int64 / float64 when the parts mix numbers and booleans; else the first part's (a failing
+    cast names the part)."""
     common = [c for c in parts[0].column_names if all(c in p.column_names for p in parts)]
     dropped = sorted({c for p in parts for c in p.column_names} - set(common))
     if not common:
@@ -112,11 +113,22 @@ def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[dat
         kinds = [p.features[c] for p in parts]
         if any(k != kinds[0] for k in kinds):
             features[c] = _joint_type(kinds)
+    parts = [_label_names(p, features) for p in parts]
     parts = _cast_all(parts, features, names)
     if dropped:
         for p in parts:
             p.info.description = f"{p.info.description or ''}\n{_DROPPED}{dropped}".lstrip("\n")
     return parts
+
+
+def _label_names(part: datasets.Dataset, features) -> datasets.Dataset:
+    """``ClassLabel`` columns that become text hold their label names, not the label numbers."""
+    for c, f in part.features.items():
+        if isinstance(f, datasets.ClassLabel) and features[c] == datasets.Value("string"):
+            feats = part.features.copy()
+            feats[c] = datasets.Value("string")
+            part = part.map(lambda b, f=f, c=c: {c: f.int2str(b[c])}, batched=True, features=feats)
+    return part
 
 
 def _joint_type(kinds: list) -> object:
