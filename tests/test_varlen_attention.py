@@ -529,3 +529,24 @@ def test_empty_pack_stays_connected_to_its_inputs(backend):
     assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
     (out.sum() + lse.sum()).backward()
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
+def test_float64_lse_keeps_float64_precision():
+    """The torch backend cut a float64 input's lse to fp32 (1e-7 off the float64 reference,
+    and gradcheck through the lse failed); eager and compiled agree on its dtype."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(5, 2, 3, dtype=torch.float64, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    _, lse = varlen_attention(q, k, v, cu, cu, return_lse=True, backend="torch")
+    _, ref = varlen_attention_reference(q, k, v, cu, cu)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(lse, ref, atol=1e-12, rtol=0)
+
+    def lse_of(q):
+        return varlen_attention(q, k, v, cu, cu, return_lse=True, backend="torch")[1]
+
+    assert torch.autograd.gradcheck(lse_of, (q,))
+    torch._dynamo.reset()
+    compiled = torch.compile(lse_of, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q), lse, atol=1e-14, rtol=0)

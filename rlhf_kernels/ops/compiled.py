@@ -87,7 +87,10 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, ba
       with_lse=False):  # fmt: skip
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     if _has_lse(backend, with_lse):
-        return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        f64 = q.dtype == torch.float64  # (the torch backend's lse is float64 then)
+        return out, q.new_empty(
+            q.shape[1], q.shape[0], dtype=torch.float64 if f64 else torch.float32
+        )
     return out, q.new_empty(0, dtype=torch.float32)
 
 

@@ -50,8 +50,9 @@ def flash_attn_varlen_func(
     ``(total_k, kv_heads, head_dim)``, ``cu_seqlens_*`` ``(batch + 1,)``.
 
     Returns ``out`` in q's layout and dtype; with ``return_attn_probs`` ``(out, lse, None)``,
-    lse ``(heads, total_q)`` fp32, ``-inf`` for a query that sees no key (flash-attn 2 writes
-    ``+inf`` there). See :func:`~rlhf_kernels.ops.varlen_attention.varlen_attention`.
+    lse ``(heads, total_q)`` fp32 (float64 for float64 inputs), ``-inf`` for a query that sees
+    no key (flash-attn 2 writes ``+inf`` there). See
+    :func:`~rlhf_kernels.ops.varlen_attention.varlen_attention`.
     """
     _refuse(alibi_slopes, block_table)
     res = varlen_attention(
@@ -81,7 +82,7 @@ def flash_attn_func(
     ``(batch, seqlen_k, kv_heads, head_dim)``; each batch row is one sequence (no padding).
 
     Returns ``out`` ``(batch, seqlen_q, heads, head_dim)``; with ``return_attn_probs``
-    ``(out, lse, None)``, lse ``(batch, heads, seqlen_q)`` fp32.
+    ``(out, lse, None)``, lse ``(batch, heads, seqlen_q)`` fp32 (float64 for float64 inputs).
     """
     _refuse(alibi_slopes)
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -201,7 +201,7 @@ def _torch_varlen_attention(
             qs.to(cdt), ks.to(cdt), vs.to(cdt), scale, causal, window_size, softcap, dropout_p
         )
         pieces[b] = o.transpose(0, 1).to(q.dtype)
-        lses.append(lse.float())
+        lses.append(lse.to(_lse_dtype(q)))
     for (lq, lk), seqs in buckets.items():
         # SDPA's is_causal is top-left aligned: only used where lq == lk makes it agree
         mask = (
@@ -241,8 +241,14 @@ def _torch_varlen_attention(
     out = torch.cat(pieces, 0) if n_seq else _empty_like_attention(q, k, v)
     if not return_lse:
         return out
-    lse = torch.cat(lses, 1) if lses else torch.zeros(heads, 0, device=q.device) + out.sum() * 0
-    return out, lse
+    if lses:
+        return out, torch.cat(lses, 1)
+    return out, torch.zeros(heads, 0, dtype=_lse_dtype(q), device=q.device) + out.sum() * 0
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32, or float64 for float64 inputs (a float64 ground truth keeps its precision)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 # ----------------------------------------------------------------------------- validation
@@ -431,7 +437,8 @@ def varlen_attention(
             -1 means unbounded, and so does a side >= ``max_seqlen_k`` (flash-attn's rule).
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2); 0 or None
             is off.
-        return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32 (natural log of the
+        return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32, float64 for float64
+            inputs (natural log of the
             masked, scaled, capped scores' exp-sum; ``-inf`` for a query that sees no key).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"flash_attn"``.
         deterministic: flash-attn's flag (a deterministic, slower backward) for the
