@@ -13,7 +13,7 @@ closing sync): when host >= median the call is host-bound.
 
 ``python bench/attn_host.py [--totals 8192 32768] [--methods kernel varlen_attn]
 [--out-dir DIR]`` writes ``attn-host-<gpu>-<date>-<HHMMSS>.json`` there (hardware, versions,
-commit from ``$RLHF_KERNELS_COMMIT``) and prints a table.
+commit from ``$RLHF_KERNELS_COMMIT`` or git, the command line) and prints a table.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import _cumsum, _lengths  # noqa: E402
+from bench.gpu_check import _bench, _cumsum, _lengths  # noqa: E402
+from bench.report import collect_machine_info  # noqa: E402
 from rlhf_kernels.ops import attention_schedule  # noqa: E402
 from rlhf_kernels.ops import varlen_attention_triton as vt  # noqa: E402
 from rlhf_kernels.ops.varlen_attention import varlen_attention  # noqa: E402
@@ -61,7 +62,6 @@ def _picks(total, dim):
 
 
 def _rows(total, dim, calls, wanted):
-    from triton.testing import do_bench
 
     heads = 2048 // dim
     lengths = _lengths(total, total // 16, total // 4, seed=total + dim)
@@ -108,9 +108,9 @@ def _rows(total, dim, calls, wanted):
         try:
             step()
             row = dict(total=total, dim=dim, heads=heads, docs=len(lengths), method=name)
-            row["fwd_ms"] = float(do_bench(fwd, return_mode="median"))
+            row["fwd_ms"] = _bench(fwd)
             row["fwd_host_ms"] = _host_ms(fwd, calls)
-            row["fwd_bwd_ms"] = float(do_bench(step, return_mode="median"))
+            row["fwd_bwd_ms"] = _bench(step)
             row["fwd_bwd_host_ms"] = _host_ms(step, calls)
             if name == "autotuned":
                 row["picks"] = _picks(total, dim)
@@ -141,12 +141,16 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("attn_host.py needs a CUDA device")
 
+    args_given = sys.argv[1:] if argv is None else argv
     now = datetime.datetime.now(datetime.timezone.utc)
     gpu = torch.cuda.get_device_name()
+    info = collect_machine_info()
     report = dict(
         gpu=gpu, date=now.isoformat(timespec="seconds"), torch=torch.__version__,
-        triton=triton.__version__, commit=os.environ.get("RLHF_KERNELS_COMMIT", "unknown"),
-        rows=[],
+        triton=triton.__version__, cuda=torch.version.cuda, versions=info["versions"],
+        commit=os.environ.get("RLHF_KERNELS_COMMIT") or info["git_commit"] or "unknown",
+        git_dirty=info["git_dirty"], command=" ".join(["bench/attn_host.py", *args_given]),
+        head_section=os.environ.get("RLHF_KERNELS_HEAD_SECTION"), rows=[],
     )  # fmt: skip
     for total in args.totals:
         for dim in args.dims:

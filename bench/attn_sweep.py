@@ -2,7 +2,9 @@
 
 For each head_dim (64, 128) on a 32k-token causal pack of uneven documents, bf16, times the
 forward kernel and the backward kernels (dK/dV + dQ) for each (BLOCK_M, BLOCK_N, warps, stages)
-in a small grid, and prints the best. ``python bench/attn_sweep.py [--total 32768]``.
+in a small grid (median ms per config), and prints the best. ``python bench/attn_sweep.py
+[--total 32768] [--out FILE.json]``: ``--out`` also writes every row with the machine, versions,
+commit and date.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--total", type=int, default=32768)
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--out", type=Path, default=None, help="write every row to this JSON file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attn_sweep.py needs a CUDA device")
@@ -52,6 +55,25 @@ def main(argv=None):
             if rs:
                 best = sorted(rs, key=lambda r: r["ms"])[:3]
                 print("BEST", dim, "bwd" if backward else "fwd", json.dumps(best))
+    if args.out is not None:
+        import datetime
+
+        from bench.report import collect_machine_info
+
+        args.out.write_text(
+            json.dumps(
+                dict(
+                    machine=collect_machine_info(),
+                    date=datetime.date.today().isoformat(),
+                    command=" ".join(
+                        ["bench/attn_sweep.py", *(sys.argv[1:] if argv is None else argv)]
+                    ),
+                    rows=out,
+                ),
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 def _fixed(cfg):
@@ -71,7 +93,7 @@ def _sweep(dim, heads, q, k, v, do, o, lse, cu, mx, flops, backward):
         else:
             fn = lambda: vt.varlen_attention_triton_forward(*args)
         try:
-            ms = float(do_bench(fn, warmup=3, rep=15))
+            ms = float(do_bench(fn, warmup=3, rep=15, return_mode="median"))
         except Exception as err:  # out of resources, compile failure
             print(f"D={dim} bwd={backward} {bm}x{bn} w{warps} s{stages}: {err!r:.80}")
             continue

@@ -141,10 +141,8 @@ def build(method: str, case: Case, batch: dict, mode: str):
     if method.startswith("varlen_"):
         backend = method[len("varlen_") :]
         if backend in ("triton", "flash_attn") and not cuda:
-            raise Skip(
-                f"backend={backend!r} is CUDA-only as a performance path (Triton runs "
-                "under the interpreter on CPU)"
-            )
+            why = "runs under the interpreter on CPU" if backend == "triton" else "needs CUDA"
+            raise Skip(f"backend={backend!r} is CUDA-only as a performance path ({why})")
         if backend == "flash_attn":
             import importlib.util
 
@@ -409,7 +407,7 @@ def interleaved(quick: bool, rounds: int, seed: int = 0) -> dict:
                 results.append(row)
                 print(
                     f"{case.name:>24} {mode:>7} {m:>18} {med * 1e3:10.2f} ms  "
-                    f"varlen_torch is {med / base:5.2f}x faster",
+                    f"{med / base:5.2f}x varlen_torch's time",
                     flush=True,
                 )
     return {"results": results, "skipped": skipped}
@@ -427,9 +425,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--force", action="store_true", help="overwrite today's results file")
     args = ap.parse_args(argv)
     info = collect_machine_info()
     date = datetime.date.today().isoformat()
+    stem = f"attention-interleaved-{machine_tag(info)}{'-quick' if args.quick else ''}-{date}"
+    path = args.out_dir / f"{stem}.json"
+    if path.exists() and not args.force:  # before the timings (a finished run was lost)
+        ap.error(f"{path} exists (committed results?): pass --force to overwrite")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     data = {
         "what": "varlen causal attention peers, timed round-robin (seconds per call)",
         "machine": info,
@@ -438,8 +442,6 @@ def main(argv=None) -> int:
         "rounds": args.rounds,
         **interleaved(args.quick, args.rounds),
     }
-    stem = f"attention-interleaved-{machine_tag(info)}{'-quick' if args.quick else ''}-{date}"
-    path = args.out_dir / f"{stem}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     plot_interleaved(data, args.out_dir / f"{stem}.png")
     print(path)

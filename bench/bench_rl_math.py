@@ -46,7 +46,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import proc_memory_kb, reset_peak_rss, results_stem, script_args  # noqa: E402
+from bench.report import (  # noqa: E402
+    collect_machine_info,
+    machine_tag,
+    proc_memory_kb,
+    reset_peak_rss,
+    results_stem,
+    script_args,
+)
 from rlhf_kernels.ops.advantages import group_advantages  # noqa: E402
 from rlhf_kernels.ops.gae import (  # noqa: E402
     discounted_returns,
@@ -346,7 +353,8 @@ def main(argv: list[str]) -> int:
     cli = script_args(argv, __doc__)
     quick = cli.quick
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tag = "cpu" if device == "cpu" else torch.cuda.get_device_name().lower().replace(" ", "-")
+    info = collect_machine_info()
+    tag = machine_tag(info)
     out = results_stem(f"rl_math-{tag}", quick, cli.force)
     cases = dict(CASES)
     if device == "cuda" and not quick:
@@ -402,15 +410,19 @@ def main(argv: list[str]) -> int:
         machine=dict(
             tag=tag,
             platform=platform.platform(),
+            cpu_model=info["cpu_model"],
             cpu_count=os.cpu_count(),
-            gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-            note="2-core CPU sandbox, shared with other jobs" if device == "cpu" else None,
+            gpu=info["gpu"],
+            load_avg_1min=os.getloadavg()[0],  # other jobs on the machine show here
         ),
-        versions=dict(torch=torch.__version__, python=platform.python_version()),
+        versions=dict(**info["versions"], python=platform.python_version()),
+        rlhf_kernels=dict(git_commit=info["git_commit"], git_dirty=info["git_dirty"]),
+        command=" ".join(["python", "bench/bench_rl_math.py", *argv]),
         cpu_threads=int(os.environ.get("RL_MATH_THREADS", "1")) if device == "cpu" else None,
         method=(
             "each (case, method) in a fresh subprocess; time = median wall time of repeated "
-            "fwd+bwd calls after one checked call; peak_extra_mb = "
+            "calls (fwd+bwd where the case has a backward; gae, returns and group_adv are "
+            "forward only) after one checked call; peak_extra_mb = "
             + (
                 "VmHWM - VmRSS around one fwd+bwd, VmHWM reset via /proc/self/clear_refs=5 "
                 "after the inputs exist (includes the gradients both methods need)"
@@ -422,12 +434,14 @@ def main(argv: list[str]) -> int:
         ratios=ratios,
     )
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    _plot(results, out.with_suffix(".png"))
+    where = info["gpu"] or f"{info['cpu_model']} ({os.cpu_count()} cores)"
+    commit = (info["git_commit"] or "unknown")[:7]
+    _plot(results, out.with_suffix(".png"), f"rl_math | {where} | {date} | {commit}")
     print(json.dumps(ratios, indent=1))
     return 0
 
 
-def _plot(results, path):
+def _plot(results, path, title=""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -439,13 +453,18 @@ def _plot(results, path):
     for i, c in enumerate(cases):
         rs = [r for r in ok if r["case"] == c]
         names = [r["method"] for r in rs]
-        axes[0, i].barh(names, [r["time_ms"] for r in rs], color="tab:blue")
-        axes[0, i].set_title(f"{c}: time (ms)", fontsize=9)
-        axes[0, i].set_xscale("log")
+        times = [r["time_ms"] for r in rs]
+        axes[0, i].barh(names, times, color="tab:blue")  # linear: bar length tracks time
+        for y, t in enumerate(times):
+            axes[0, i].text(t, y, f" {t:.3g}", va="center", fontsize=7)
+        axes[0, i].margins(x=0.3)
+        axes[0, i].set_title(f"{c}: median time (ms)", fontsize=9)
         axes[1, i].barh(names, [max(r["peak_extra_mb"], 0.0) for r in rs], color="tab:orange")
         axes[1, i].set_title(f"{c}: peak extra MiB", fontsize=9)
         for ax in axes[:, i]:
             ax.tick_params(labelsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -203,7 +203,8 @@ def main(argv=None) -> dict:
     }
     date = datetime.date.today().isoformat()
     doc = {
-        "machine": collect_machine_info(),
+        # each trainer process runs with OMP_NUM_THREADS=1 (this process's count is not theirs)
+        "machine": {**collect_machine_info(), "torch_threads": 1},
         "date": date,
         "quick": quick,
         "results": results,

@@ -58,13 +58,23 @@ sys.path.insert(0, str(ROOT))
 from rlhf_kernels.ops import varlen_attention_triton as vt  # noqa: E402
 from rlhf_kernels.ops.varlen_attention import varlen_attention  # noqa: E402
 
+MIN_CALLS = 5  # timed calls per median, also for calls slower than do_bench's rep / 5
+
 
 def _bench(fn, quick=False):
-    """Median ms of ``fn()`` (CUDA events via triton's do_bench)."""
+    """Median ms of ``fn()`` over at least ``MIN_CALLS`` timed calls (CUDA events via triton's
+    do_bench, whose ``rep`` budget alone timed one call of a 200 ms step)."""
+    import torch
     from triton.testing import do_bench
 
-    ms = do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
-    return float(ms)
+    fn()  # (compilation, autotuning) then one call timed for the budget
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rep = max(20 if quick else 100, MIN_CALLS * 1.2 * start.elapsed_time(end))
+    return float(do_bench(fn, warmup=5 if quick else 25, rep=rep, return_mode="median"))
 
 
 def _lengths(total, lo, hi, seed=0):

@@ -265,14 +265,27 @@ def plot_group(report: dict, path: Path) -> None:
 
 
 def write_reports(
-    reports: dict[str, dict], out_dir: Path, tag: str | None = None, plot: bool = True
+    reports: dict[str, dict],
+    out_dir: Path,
+    tag: str | None = None,
+    plot: bool = True,
+    force: bool = True,
 ) -> list[Path]:
-    """Write ``<group>-<tag>-<date>.json`` (+ ``.png``) per group; returns the paths written."""
+    """Write ``<group>-<tag>-<date>.json`` (+ ``.png``) per group; returns the paths written.
+    ``force=False``: FileExistsError (before writing any) if one of them exists."""
     out_dir.mkdir(parents=True, exist_ok=True)
+
+    def stem_of(group: str, rep: dict) -> str:
+        quick = "-quick" if rep.get("bench_quick") else ""  # never overwrites a full run's file
+        return f"{_safe(group)}-{tag or rep['machine']['tag']}{quick}-{rep['date']}"
+
+    taken = [out_dir / f"{stem_of(g, r)}.json" for g, r in reports.items()]
+    taken = [p for p in taken if p.exists()]
+    if taken and not force:
+        raise FileExistsError(f"{taken[0]} exists (committed results?): pass --force to overwrite")
     written = []
     for group, rep in sorted(reports.items()):
-        quick = "-quick" if rep.get("bench_quick") else ""  # never overwrites a full run's file
-        stem = f"{_safe(group)}-{tag or rep['machine']['tag']}{quick}-{rep['date']}"
+        stem = stem_of(group, rep)
         path = out_dir / f"{stem}.json"
         path.write_text(json.dumps(rep, indent=2, sort_keys=False) + "\n")
         written.append(path)
@@ -289,16 +302,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default=None, help="machine tag (default: cpu or the GPU name)")
     ap.add_argument("--date", default=None, help="YYYY-MM-DD (default: the run's date)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--force", action="store_true", help="overwrite existing report files")
     args = ap.parse_args(argv)
     if not args.raw.is_file():
         print(f"report.py: no raw benchmark JSON at {args.raw}", file=sys.stderr)
         return 1
     raw = json.loads(args.raw.read_text())
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("benchmarks"), list)
+        or "group" in raw  # one of this script's own reports
+        or any("stats" not in b for b in raw["benchmarks"])
+    ):
+        print(
+            f"report.py: {args.raw} is not pytest-benchmark JSON (no 'benchmarks' list; a "
+            f"report this script wrote?)",
+            file=sys.stderr,
+        )
+        return 1
     reports = build_reports(raw, args.date)
     if not reports:
         print(f"report.py: {args.raw} holds no benchmarks", file=sys.stderr)
         return 1
-    for path in write_reports(reports, args.out_dir, args.tag, plot=not args.no_plot):
+    for rep in reports.values():  # benchmarks without statistics (skipped, failed) are named
+        for b in rep["benchmarks"]:
+            if b.get("median") is None:
+                print(f"report.py: {b.get('fullname') or b.get('name')}: no timings, not plotted")
+    try:
+        written = write_reports(
+            reports, args.out_dir, args.tag, plot=not args.no_plot, force=args.force
+        )
+    except FileExistsError as e:
+        print(f"report.py: {e} (the raw timings stay in {args.raw})", file=sys.stderr)
+        return 1
+    for path in written:
         print(path)
     return 0
 

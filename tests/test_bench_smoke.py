@@ -112,6 +112,14 @@ def test_report_writes_json_and_png(tmp_path):
     assert [x["name"] for x in data["benchmarks"]] == ["test_a[3]", "test_b[3]"]
     assert (out / "g_two-h100-80gb-hbm3-quick-2026-01-02.png").read_bytes()[:4] == b"\x89PNG"
     assert report.main(["--raw", str(tmp_path / "missing.json")]) == 1
+    # a second report of the same day is refused unless --force (it overwrote committed files)
+    kept = data
+    assert report.main(["--raw", str(raw), "--out-dir", str(out)]) == 1
+    assert json.loads((out / "g-one-h100-80gb-hbm3-quick-2026-01-02.json").read_text()) == kept
+    assert report.main(["--raw", str(raw), "--out-dir", str(out), "--force"]) == 0
+    # a report this script wrote is not raw pytest-benchmark JSON (it made an all-null report)
+    done = out / "g-one-h100-80gb-hbm3-quick-2026-01-02.json"
+    assert report.main(["--raw", str(done), "--out-dir", str(tmp_path / "o2")]) == 1
 
 
 SCRIPTS = {  # bench script -> its results name on a machine without a GPU
