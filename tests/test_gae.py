@@ -401,7 +401,13 @@ def test_fused_half_noncontiguous_and_fallbacks():
     mg = mask.clone().requires_grad_()
     a, ret = gae(r, v, gamma=0.9, lam=0.9, mask=mg)
     (a.sum() + ret.sum()).backward()
-    assert mg.grad is not None
+    # the mask's gradient is the product's (r * m, v * m), as the loop on masked inputs gives
+    m64 = mask.double().requires_grad_()
+    r64, v64 = r.detach().double(), v.detach().double()
+    ref_a, ref_r = loop_gae(r64 * m64, v64 * m64, torch.ones_like(m64), 0.9, 0.9)
+    (ref_a.sum() + ref_r.sum()).backward()
+    assert m64.grad.abs().max() > 0
+    torch.testing.assert_close(mg.grad.double(), m64.grad, atol=1e-4, rtol=1e-4)
 
 
 @needs_fused

@@ -119,6 +119,8 @@ def test_policy_loss_fp32_and_stats():
     kl = ((old - logp).detach()[mask]).expm1() - (old - logp).detach()[mask]
     torch.testing.assert_close(stats["approx_kl"].double(), kl.mean(), atol=1e-6, rtol=1e-5)
     assert 0 < stats["clip_frac"] < 1 and 0 <= stats["dual_clip_frac"] < 1
+    assert not mask.all()  # ratio_mean counts the masked-in tokens only
+    torch.testing.assert_close(stats["ratio_mean"].double(), r.mean(), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("clip", [None, 0.2])

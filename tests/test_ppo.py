@@ -76,6 +76,74 @@ def test_action_logprobs_match_the_model(tiny):
     assert logp.shape == ent.shape == (sum(s.n_act for s in samples),)
 
 
+@pytest.mark.parametrize(
+    "estimator", ["gae", "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo"]
+)
+def test_advantages_match_a_per_token_loop(estimator):
+    """``advantages()`` against a plain loop per sample: the scalar reward on the LAST response
+    token, the KL penalty on every token, the estimator's baseline, discounting / GAE and the
+    whitening. (The trainer runs only checked that these came out finite: a reward moved to
+    the first token, or one estimator's baseline swapped for another's, went unseen.)"""
+    import statistics
+
+    from trainers import ppo
+    from trainers.distributed import Layout
+
+    g = torch.Generator().manual_seed(0)
+    n_act, rewards = [3, 1, 2, 4], [1.0, 0.0, 0.6, 0.2]  # 2 prompts x 2 samples
+    samples = []
+    for n, r in zip(n_act, rewards):
+        s = ppo.Sample(torch.randint(3, 50, (2 + n,), generator=g), 2, reward=r)
+        s.old_logp, s.ref_logp = -torch.rand(n, generator=g) * 2, -torch.rand(n, generator=g) * 2
+        s.values = torch.randn(n, generator=g)
+        samples.append(s)
+    cfg = ppo.PPOConfig(
+        advantage_estimator=estimator, n_samples_per_prompt=2, kl_coef=0.1, kl_estimator="k1",
+        gamma=0.9, lam=0.8,
+    )  # fmt: skip
+    ppo.advantages(samples, cfg, Layout(1, 0, 1, 1, 1, torch.device("cpu")))
+
+    groups = [rewards[0:2], rewards[2:4]]
+    owner = [groups[0], groups[0], groups[1], groups[1]]  # each sample's group
+    centred = [r - statistics.mean(grp) for r, grp in zip(rewards, owner)]
+    scalar = {
+        "gae": rewards,
+        "reinforce": rewards,
+        "dr_grpo": centred,
+        "grpo": [c / (statistics.stdev(grp) + 1e-6) for c, grp in zip(centred, owner)],
+        "rloo": [r - (sum(grp) - r) / (len(grp) - 1) for grp in groups for r in grp],
+        "reinforce_baseline": [c / (statistics.stdev(centred) + 1e-6) for c in centred],
+    }[estimator]
+    want_adv, want_ret = [], []
+    for s, r in zip(samples, scalar):
+        kl = (s.old_logp - s.ref_logp).double().tolist()
+        tok = [-0.1 * k for k in kl]
+        tok[-1] += r  # the last response token
+        v = s.values.double().tolist()
+        adv, ret, carry, later = [0.0] * len(tok), [0.0] * len(tok), 0.0, 0.0
+        for t in reversed(range(len(tok))):
+            if estimator == "gae":
+                v_next = v[t + 1] if t + 1 < len(tok) else 0.0
+                carry = tok[t] + 0.9 * v_next - v[t] + 0.9 * 0.8 * carry
+                adv[t], ret[t] = carry, carry + v[t]
+            else:
+                later = tok[t] + 0.9 * later
+                adv[t] = ret[t] = later
+        want_adv += adv
+        want_ret += ret
+    if estimator in ("gae", "reinforce"):  # whitened over every token
+        mean, sd = statistics.mean(want_adv), statistics.variance(want_adv)
+        want_adv = [(a - mean) / (sd + 1e-8) ** 0.5 for a in want_adv]
+    got_adv = torch.cat([s.advantages for s in samples]).double()
+    got_ret = torch.cat([s.returns for s in samples]).double()
+    torch.testing.assert_close(
+        got_adv, torch.tensor(want_adv, dtype=torch.float64), atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        got_ret, torch.tensor(want_ret, dtype=torch.float64), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_an_engine_without_synced_attribute_still_generates(tiny):
     """``synced`` is optional in the GenerationEngine protocol: a user's engine without it
     generates as before (no collectives)."""

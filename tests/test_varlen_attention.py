@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlhf_kernels import varlen_attention
-from rlhf_kernels.ops.varlen_attention import attention_mask, varlen_attention_reference
+from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
 
 LENS = [1, 5, 47, 0, 31, 2]  # uneven, includes length 1 and an empty sequence
 CASES = [  # (causal, window_size, softcap)
@@ -32,10 +32,14 @@ def _dense_reference(q, k, v, lens_q, lens_k, causal, window, softcap):
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    left, right = window
     oq = ok = 0
-    for lq, lk in zip(lens_q, lens_k):
-        m = attention_mask(lq, lk, causal, window)
-        mask[oq : oq + lq, ok : ok + lk] = True if m is None else m
+    for lq, lk in zip(lens_q, lens_k):  # its own loops, not the library's attention_mask
+        for i in range(lq):
+            at = i + lk - lq  # bottom-right alignment: query i sits at key position i + lk - lq
+            for j in range(lk):
+                seen = (not causal or j <= at) and (left < 0 or j >= at - left)
+                mask[oq + i, ok + j] = seen and (right < 0 or j <= at + right)
         oq, ok = oq + lq, ok + lk
     s = torch.einsum("qhd,khd->hqk", q, kk) / q.shape[-1] ** 0.5
     if softcap:
@@ -152,8 +156,23 @@ def test_auto_on_cpu_is_torch_and_dropout_only_in_training_math():
     a = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), causal=True)
     b = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), causal=True, backend="torch")
     torch.testing.assert_close(a, b, rtol=0, atol=0)
-    d = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), dropout_p=0.5, backend="torch")
-    assert d.shape == q.shape and not torch.allclose(d, b)
+
+    def dropped(v, seed):
+        torch.manual_seed(seed)
+        return varlen_attention(
+            q, k, v, _cu([9, 4]), _cu([9, 4]), causal=True, dropout_p=0.5, backend="torch"
+        )
+
+    d = dropped(v, 0)
+    assert d.shape == q.shape and not torch.allclose(d, b)  # (b: the same causal call)
+    # unbiased: the mean over draws is the output without dropout
+    draws = torch.stack([dropped(v, s) for s in range(400)])
+    standard_error = draws.std(0) / 400**0.5
+    assert ((draws.mean(0) - b).abs() <= 5 * standard_error + 1e-4).all()
+    # still causal: the first sample's last value reaches no earlier row
+    v2 = v.clone()
+    v2[8] += 100.0
+    assert torch.equal(dropped(v, 1)[:8], dropped(v2, 1)[:8])
 
 
 # ----------------------------------------------------------------------------- bad input
