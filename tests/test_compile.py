@@ -20,6 +20,18 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True, backend="aot_eager")
 
 
+def _assert_eager_equals_compiled(f, q, k, v):
+    """Output and q/k/v gradients of ``f`` equal eager vs fullgraph-compiled (aot_eager)."""
+    results = []
+    for fn in (f, _compiled(f)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_varlen_attention_fullgraph_fwd_bwd(backend, return_lse):
@@ -36,14 +48,7 @@ def test_varlen_attention_fullgraph_fwd_bwd(backend, return_lse):
         # the lse enters the loss too: its gradient must survive the compiled backward
         return out[0] + 0.3 * out[1].T[..., None] if return_lse else out
 
-    results = []
-    for fn in (f, _compiled(f)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        results.append([out.detach()] + [t.grad for t in leaves])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    _assert_eager_equals_compiled(f, q, k, v)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -65,14 +70,7 @@ def test_compiled_backward_takes_the_forwards_window(backend, max_k):
             q, k, v, cu_q, cu_k, None, max_k, causal=False, window_size=(-1, 2), backend=backend
         )
 
-    results = []
-    for fn in (f, _compiled(f)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        results.append([out.detach()] + [t.grad for t in leaves])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    _assert_eager_equals_compiled(f, q, k, v)
 
 
 def test_compiled_bad_input_still_raises():
