@@ -3,12 +3,14 @@
 Usage::
 
     python bench/report.py [--raw bench/results/latest-raw.json] [--out-dir bench/results]
-                           [--tag TAG] [--date YYYY-MM-DD] [--no-plot]
+                           [--tag TAG] [--date YYYY-MM-DD] [--no-plot] [--force]
 
 Writes ``<out-dir>/<group>-<machine-tag>[-quick]-<date>.json`` and ``.png`` for every group
-found. The machine tag is ``cpu`` without a GPU, else the GPU name in lower case
-(``h100-80gb-hbm3``); ``unstamped`` for raw JSON that ``bench/conftest.py`` did not stamp (then
-only pytest-benchmark's own machine fields are reported, never this machine's).
+found; if one of them exists (a committed result of the day) it writes nothing and exits 1
+unless ``--force`` (the raw JSON stays for that second call). The machine tag is ``cpu``
+without a GPU, else the GPU name in lower case (``h100-80gb-hbm3``); ``unstamped`` for raw JSON
+that ``bench/conftest.py`` did not stamp (then only pytest-benchmark's own machine fields are
+reported, never this machine's).
 Each results JSON holds: machine (CPU model, cores, GPU), library versions, rlhf_kernels version
 and git commit, date, and per benchmark its name, params, mean/median/stddev/min/max (seconds),
 rounds and ``extra_info``. A benchmark may set ``extra_info["label"]`` to name its bar.

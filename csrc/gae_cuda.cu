@@ -57,7 +57,8 @@ __device__ __forceinline__ Bounds bounds(int64_t s, int64_t T, int64_t N, const 
 }
 
 // b * y, 0 where b == 0: a zero coefficient cuts the recurrence, even before an inf (0 * inf
-// would be NaN), as the CPU op and the scan do
+// would be NaN), as the scan backends do; like theirs, a product of coefficients that underflows
+// to 0 cuts too (the sequential CPU op cuts only where gamma * lam is 0)
 template <typename acc_t>
 __device__ __forceinline__ acc_t times(acc_t b, acc_t y) {
   return b == acc_t(0) ? acc_t(0) : b * y;

@@ -334,6 +334,12 @@ def test_mixed_column_types(tmp_path):
     labelled.save_to_disk(str(tmp_path / "labelled"))
     mixed = load_mixture(f"{tmp_path / 'labelled'},{strs}", None, "train", 0, None)
     assert mixed["response"][:3] == ["no", "yes", "word"]
+    missing = datasets.Dataset.from_dict(  # -1 and None: no label (not a crash)
+        {"prompt": ["a", "b"], "response": [-1, None]}, features=labelled.features
+    )
+    missing.save_to_disk(str(tmp_path / "missing"))
+    mixed = load_mixture(f"{tmp_path / 'missing'},{strs}", None, "train", 0, None)
+    assert mixed["response"][:3] == [None, None, "word"]
 
 
 def test_check_keys_message():

@@ -60,6 +60,7 @@ def _biased(model, token: int) -> nn.Module:
 HUB_DEFAULTS = dict(
     do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=5.0, min_p=0.5,
     forced_eos_token_id=5, exponential_decay_length_penalty=(1, 3.0),  # (were left on)
+    encoder_repetition_penalty=50.0, max_time=1e-9,
 )  # fmt: skip
 
 

@@ -127,7 +127,14 @@ def _label_names(part: datasets.Dataset, features) -> datasets.Dataset:
         if isinstance(f, datasets.ClassLabel) and features[c] == datasets.Value("string"):
             feats = part.features.copy()
             feats[c] = datasets.Value("string")
-            part = part.map(lambda b, f=f, c=c: {c: f.int2str(b[c])}, batched=True, features=feats)
+            names = f.names  # -1 / None: a missing label (the datasets convention)
+            part = part.map(
+                lambda b, c=c, names=names: {
+                    c: [None if x is None or x < 0 else names[x] for x in b[c]]
+                },
+                batched=True,
+                features=feats,
+            )
     return part
 
 

@@ -70,6 +70,9 @@ _NEUTRAL = {
     "exponential_decay_length_penalty": None,
     "guidance_scale": None,
     "watermarking_config": None,
+    "encoder_repetition_penalty": None,  # (applied to decoder-only models too, on the prompt)
+    "max_time": None,
+    "stop_strings": None,
 }
 _GREEDY = {"temperature": None, "top_p": None, "top_k": None}
 

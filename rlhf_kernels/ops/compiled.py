@@ -11,7 +11,8 @@ forward and backward (as flash-attn registers its own ops). What dynamo cannot t
 nonzero of a padding mask) happens inside the ops at run time, exactly as in eager mode:
 bad input still raises, before any work.
 
-- ``rlhf_kernels::varlen_attention_fwd`` -> ``(out, lse)``; lse is ``(heads, total_q)`` fp32 for
+- ``rlhf_kernels::varlen_attention_fwd`` -> ``(out, lse)``; lse is ``(heads, total_q)`` fp32
+  (float64 for float64 inputs) for
   the Triton backend (the backward reuses it) or when the caller asks for it (``with_lse``),
   else empty.
 - ``rlhf_kernels::varlen_attention_bwd`` -> ``(dq, dk, dv)``: the Triton backward kernels from the

@@ -373,9 +373,9 @@ def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float) -> str:
     """The backend that runs the call; raises, naming the backend, if a requested one cannot.
 
     ``"auto"``: ``flash_attn`` for fp16/bf16 CUDA tensors when flash-attn is installed, else
-    ``triton`` on CUDA, else ``torch``. Triton has no dropout, so ``"auto"`` with
-    ``dropout_p > 0`` on CUDA without flash-attn runs ``torch`` (SDPA) and warns once per process
-    (``backend="torch"`` chooses it silently).
+    ``triton`` on CUDA (``torch`` for float64, which Triton does not take), else ``torch``.
+    Triton has no dropout, so ``"auto"`` with ``dropout_p > 0`` on CUDA without flash-attn runs
+    ``torch`` (SDPA) and warns once per process (``backend="torch"`` chooses it silently).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -394,7 +394,7 @@ def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float) -> str:
                     stacklevel=3,
                 )
             return "torch"
-        return "triton" if cuda else "torch"
+        return "triton" if cuda and q.dtype != torch.float64 else "torch"
     if backend == "flash_attn" and not (cuda and _flash_attn_available()):
         raise ValueError("backend='flash_attn' needs CUDA tensors and the flash-attn package")
     if backend == "triton" and dropout_p > 0:
@@ -434,7 +434,8 @@ def varlen_attention(
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: bottom-right aligned causal mask (a bool).
         window_size: ``(left, right)`` sliding window, any length-2 sequence or integer tensor;
-            -1 means unbounded, and so does a side >= ``max_seqlen_k`` (flash-attn's rule).
+            -1 means unbounded, and so does a side >= ``max_seqlen_k`` (flash-attn's rule) or
+            >= 2**31.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2); 0 or None
             is off.
         return_lse: also return the log-sum-exp ``(heads, total_q)`` fp32, float64 for float64
@@ -578,8 +579,8 @@ def _flash_attn_varlen(
         cu_seqlens_k.int(),
         max(lens_q, default=0),
         # flash-attn unbounds a side >= this: a right side kept bounded (below the caller's
-        # max_seqlen_k, see unbounded_window) must stay below it
-        max(max(lens_k, default=0), window_size[1] + 1),
+        # max_seqlen_k, see unbounded_window) must stay below it (an int32 argument)
+        min(max(max(lens_k, default=0), window_size[1] + 1), 2**31 - 1),
         dropout_p=dropout_p,
         softmax_scale=scale,
         causal=causal,
