@@ -152,6 +152,7 @@ def test_samples_do_not_interact():
 
 
 def test_auto_on_cpu_is_torch_and_dropout_only_in_training_math():
+    torch.manual_seed(0)  # fixed inputs: the statistical check below is deterministic
     q, k, v = _qkv([9, 4], [9, 4], dtype=torch.float32)
     a = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), causal=True)
     b = varlen_attention(q, k, v, _cu([9, 4]), _cu([9, 4]), causal=True, backend="torch")
