@@ -340,6 +340,18 @@ def test_mixed_column_types(tmp_path):
     missing.save_to_disk(str(tmp_path / "missing"))
     mixed = load_mixture(f"{tmp_path / 'missing'},{strs}", None, "train", 0, None)
     assert mixed["response"][:3] == [None, None, "word"]
+    swapped = datasets.Dataset.from_dict(  # the same names in another order: label 0 is "yes"
+        {"prompt": ["c"], "response": [0]},
+        features=datasets.Features(
+            {
+                "prompt": datasets.Value("string"),
+                "response": datasets.ClassLabel(names=["yes", "no"]),
+            }
+        ),
+    )
+    swapped.save_to_disk(str(tmp_path / "swapped"))
+    mixed = load_mixture(f"{tmp_path / 'labelled'},{tmp_path / 'swapped'}", None, "train", 0, None)
+    assert mixed["response"] == ["no", "yes", "yes"]  # was cast by number: "no", "yes", "no"
 
 
 def test_check_keys_message():

@@ -143,6 +143,8 @@ def _joint_type(kinds: list) -> object:
     dtypes = [k.dtype if isinstance(k, datasets.Value) else None for k in kinds]
     if any(d in ("string", "large_string") for d in dtypes):
         return datasets.Value("string")
+    if all(isinstance(k, datasets.ClassLabel) for k in kinds):  # other names: a cast by number
+        return datasets.Value("string")  # would swap labels; their names agree
     if all(
         d is not None and (d == "bool" or d.startswith(("int", "uint", "float"))) for d in dtypes
     ):
