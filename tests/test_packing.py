@@ -25,6 +25,8 @@ def test_pack_fields_and_unpack_roundtrip():
     assert p.cu_seqlens.dtype == torch.int32
     assert p.cu_seqlens.tolist() == [0, 5, 6, 23, 26]
     assert p.max_seqlen == 17 and p.seq_lens == LENS and p.num_tokens == 26
+    for lens in ([2, 3, 7], [7, 2], [4]):  # the longest last, first, alone
+        assert pack_sequences([torch.arange(n) for n in lens]).max_seqlen == max(lens)
     assert torch.equal(p.position_ids, torch.cat([torch.arange(n) for n in LENS]))
     for a, b in zip(p.unpack(p.input_ids), seqs):
         assert torch.equal(a, b)

@@ -87,3 +87,11 @@ def test_sequence_to_tokens_checks_cu_seqlens(cu, total, match):
 def test_bad_mask_shape():
     with pytest.raises(ValueError, match="attention_mask must be"):
         unpad_input(torch.randn(2, 4, 3), torch.ones(2, 5))
+    x, ones = torch.randn(2, 4, 3), torch.ones(2, 4)
+    for bad in (torch.ones(4), torch.ones(1, 4)):  # would broadcast into the wrong tokens
+        with pytest.raises(ValueError, match="unused_mask must have attention_mask's shape"):
+            unpad_input(x, ones, bad)
+    with pytest.raises(ValueError, match="attention_mask.*0 or 1"):
+        unpad_input(x, ones * 2)  # a 2 is not "real"
+    with pytest.raises(ValueError, match="unused_mask.*0 or 1"):
+        unpad_input(x, ones, torch.full((2, 4), -1))

@@ -456,6 +456,24 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     for step in (5, 7):
         save_checkpoint(Engine(), tmp_path, step, {})
     assert len(list(root.iterdir())) == 3
+    # without a limit, a crashed re-save's only copy survives the next save (resume needs it)
+    (root / "step-000007").rename(root / ".old-step-000007")
+    save_checkpoint(Engine(), tmp_path, 8, {})
+    assert (root / ".old-step-000007" / "trainer_state.json").is_file()
+
+
+def test_check_complete_names_the_missing_rank_file(tmp_path):
+    """A resume with another process count is refused in one line before any engine loads."""
+    from trainers.checkpoint import check_complete
+
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "trainer_state.json").write_text('{"step": 2}')
+    (tmp_path / "rng_rank0.pt").write_bytes(b"x")
+    check_complete(tmp_path, ["engine"], rank=0)
+    with pytest.raises(ValueError, match="rng_rank1.pt .saved by a different number of processes"):
+        check_complete(tmp_path, ["engine"], rank=1)
+    with pytest.raises(ValueError, match="no critic"):
+        check_complete(tmp_path, ["engine", "critic"], rank=0)
 
 
 def test_resume_refusal_names_every_flag_to_restore(tmp_path):
