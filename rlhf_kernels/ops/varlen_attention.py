@@ -270,8 +270,13 @@ def _window_pair(window_size) -> tuple[int, int]:
             w = operator.index(w)  # int, numpy int, 0-d integer tensor
         except TypeError:
             raise TypeError(f"{expected}, got a {type(w).__name__} entry: {given!r}") from None
-        pair.append(-1 if w >= 2**31 else w)  # past any int32 cu_seqlens: unbounded (fits int64)
+        pair.append(window_side(w))
     return pair[0], pair[1]
+
+
+def window_side(w: int) -> int:
+    """A window side past any int32 ``cu_seqlens`` position is unbounded, -1 (and fits int64)."""
+    return -1 if w >= 2**31 else w
 
 
 def scalar_problem(softmax_scale, causal, softcap, dtype: torch.dtype) -> str:

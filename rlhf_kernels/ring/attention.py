@@ -30,7 +30,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf_kernels.ops.varlen_attention import fold_lse_grad
+from rlhf_kernels.ops.varlen_attention import fold_lse_grad, window_side
 from rlhf_kernels.ring.blocks import (
     backward_block,
     backward_block_triton,
@@ -353,8 +353,7 @@ def ring_varlen_attention(
             softmax_scale,
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    # a side past any int32 position is unbounded (as varlen_attention's _window_pair)
-    window = tuple(-1 if int(w) >= 2**31 else int(w) for w in window_size)
+    window = tuple(window_side(int(w)) for w in window_size)
     spec = _Spec(
         plan, group, rank, bool(causal), scale, window, float(softcap), comm, kv_head_stride, tile
     )

@@ -14,7 +14,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from rlhf_kernels.ops.varlen_attention import scalar_problem
+from rlhf_kernels.ops.varlen_attention import scalar_problem, window_side
 from rlhf_kernels.ring.plan import RingPlan
 
 COMMS = ("p2p", "allgather")
@@ -214,7 +214,7 @@ def validate_ring_call(
             q.shape[2],
             DTYPES.index(q.dtype),
             int(causal),
-            *(-1 if int(w) >= 2**31 else int(w) for w in window_size),  # (int64 facts)
+            *(window_side(int(w)) for w in window_size),  # (int64 facts)
             _bits(softcap),
             COMMS.index(comm),
             kv_head_stride or 0,
