@@ -286,6 +286,22 @@ def test_plan_small_and_edge_cases():
     assert sorted(len(b) for g in plan for b in g) == [0, 1, 1, 1]
 
 
+def test_plan_groups_never_empty_when_samples_suffice():
+    """The balancing moves never empty a micro-batch: with at least as many samples as micro-batches
+    no group gets a [] (one such case: [4, 3, 6, 2, 12, 10, 2, 12] into 4 groups, budget 12)."""
+    rng = random.Random(1)
+    cases = [([4, 3, 6, 2, 12, 10, 2, 12], 12, 4)]
+    for _ in range(400):
+        lens = [rng.randint(0, 12) for _ in range(rng.randint(2, 10))]
+        cases.append((lens, rng.randint(max(lens + [1]), 30), rng.randint(2, 4)))
+    for lens, budget, groups in cases:
+        plan = plan_micro_batches(lens, budget, num_groups=groups)
+        _check_cover(plan, lens, budget)
+        assert len({len(g) for g in plan}) == 1
+        if len(lens) >= groups * len(plan[0]):
+            assert all(b for g in plan for b in g), (lens, budget, groups, plan)
+
+
 def test_plan_validates_input():
     with pytest.raises(ValueError, match="sample 1 has 11 tokens, more than max_tokens=10"):
         plan_micro_batches([3, 11], 10)
