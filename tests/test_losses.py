@@ -192,8 +192,12 @@ def test_bad_input():
         policy_loss(x, x, x[:, :2], m)
     with pytest.raises(ValueError, match="got neither"):
         policy_loss(x, x, x)
-    with pytest.raises(ValueError, match="dual_clip must be a number > 1"):
-        policy_loss(x, x, x, m, dual_clip=0.5)
+    for dual in (0.5, 1.0):  # 1 would cap every negative-advantage token at -A
+        with pytest.raises(ValueError, match="dual_clip must be a number > 1"):
+            policy_loss(x, x, x, m, dual_clip=dual)
+    for clip in (0.0, -0.1):  # 0 would freeze the clipped value term at old_values
+        with pytest.raises(ValueError, match="clip must be a number > 0 or None"):
+            value_loss(x, x, x, m, clip)
     with pytest.raises(ValueError, match="clip_low < 1 and clip_high >= 0, got None, 0.2"):
         policy_loss(x, x, x, m, clip_low=None)  # a named error, not Python's '<=' TypeError
     torch.testing.assert_close(  # a 0-d tensor option is a number
@@ -267,8 +271,8 @@ def test_packed_token_mean_needs_no_cu_seqlens():
 @pytest.mark.parametrize("dual", [None, 2.5])
 def test_ppo_token_grad_closed_form_equals_autograd(dual):
     """The fused losses' closed-form ``d loss / d logp`` (made where autograd records nothing)
-    is autograd's, ties included: ratio exactly at a clip bound, advantage 0, and the dual-clip
-    cap hit exactly (``maximum`` / ``minimum`` split a tie's gradient in half)."""
+    is autograd's, ties included: ratio exactly at a clip bound, advantage 0, the ratio's cap,
+    and the dual-clip cap hit exactly (``maximum`` / ``minimum`` split a tie's gradient in half)."""
     from rlhf_kernels.ops.losses import _ppo_token_grad, _ppo_token_loss
 
     g = torch.Generator().manual_seed(3)
@@ -280,6 +284,9 @@ def test_ppo_token_grad_closed_form_equals_autograd(dual):
     adv[2], adv[3] = 0.0, -1.0
     cap = 1.5 if dual is None else dual  # token 3: -A r == -A dual exactly
     old[3], logp[3] = 0.0, torch.tensor(cap, dtype=torch.float64).log()  # exp(log(2.5)) == 2.5
+    # tokens 4, 5: A < 0 and a log-ratio past / exactly at MAX_LOG_RATIO (the unclipped term
+    # wins; the cap passes no gradient past it, all of it at it)
+    old[4:6], logp[4:6], adv[4:6] = 0.0, torch.tensor([100.0, 80.0], dtype=torch.float64), -1.0
     ratio = torch.exp(logp[:4] - old[:4])
     assert ratio[0] == 0.8 and ratio[1] == 1.28, ratio  # at the bounds exactly
     if dual is not None:
