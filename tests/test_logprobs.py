@@ -117,6 +117,10 @@ def test_bad_input():
     z = torch.randn(4, 10)
     with pytest.raises(ValueError, match=r"labels must have shape logits.shape\[:-1\]"):
         logprobs_from_logits(z, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"labels must have shape logits.shape\[:-1\]=\(2, 3\)"):
+        logprobs_from_logits(torch.randn(2, 3, 10), torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels on meta but logits on cpu"):
+        logprobs_from_logits(z, torch.zeros(4, dtype=torch.long, device="meta"))
     with pytest.raises(TypeError, match="labels must be an int64"):
         logprobs_from_logits(z, torch.zeros(4))
     with pytest.raises(TypeError, match="logits must be a float tensor"):
@@ -153,6 +157,11 @@ def test_strided_labels_and_logits(backend):
     w_lp, w_ent = torch.randn(6), torch.randn(6)
     out = _run(logits, labels, 0.8, backend, w_lp, w_ent)
     ref = _ref(logits, labels.contiguous(), 0.8, w_lp, w_ent)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o.double(), r, atol=2e-5, rtol=2e-5)
+    logits = torch.randn(50, 6).t()  # vocab stride 6: the kernels index the vocab with stride 1
+    out = _run(logits, labels, 0.8, backend, w_lp, w_ent)
+    ref = _ref(logits.contiguous(), labels.contiguous(), 0.8, w_lp, w_ent)
     for o, r in zip(out, ref):
         torch.testing.assert_close(o.double(), r, atol=2e-5, rtol=2e-5)
 
