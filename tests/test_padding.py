@@ -46,6 +46,8 @@ def test_sequence_to_tokens():
     assert out.tolist() == [1.0, 1.0, 3.0, 3.0, 3.0]
     with pytest.raises(ValueError, match=r"cu_seqlens must be \(4,\) for 3 sequences"):
         sequence_to_tokens(torch.zeros(3), torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"values must be a tensor \(S, ...\).*got \(\)"):
+        sequence_to_tokens(torch.tensor(1.0), torch.tensor([0, 5]))
     assert sequence_to_tokens(torch.tensor([1, 2]), [0, 1, 3]).tolist() == [1, 2, 2]
     empty = sequence_to_tokens(torch.zeros(0, 3), torch.zeros(1, dtype=torch.int32))
     assert empty.shape == (0, 3)
@@ -67,6 +69,12 @@ def test_index_first_axis_matches_bert_padding():
         index_first_axis(x.flatten(0, 1), indices.float())
     with pytest.raises(ValueError, match=r"values \(N, ...\) and indices \(N,\) must agree"):
         index_put_first_axis(gathered[:3], indices, 10)
+    with pytest.raises(ValueError, match="hidden_states has 3 tokens but indices 7"):
+        pad_input(packed[:3], indices, 2, 5)
+    with pytest.raises(ValueError, match="indices are on meta, input on cpu"):
+        index_first_axis(x.flatten(0, 1), indices.to("meta"))
+    with pytest.raises(ValueError, match="input must have a first axis to index, got a 0-d"):
+        index_first_axis(torch.tensor(1.0), indices[:0])
 
 
 @pytest.mark.parametrize(
