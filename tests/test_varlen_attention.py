@@ -194,6 +194,12 @@ def _args(**over):
             ValueError,
             "multiple of kv heads",
         ),
+        (dict(v=torch.randn(7, 2, 32)), ValueError, "k and v must have the same shape"),
+        (
+            dict(k=torch.randn(7, 0, 40), v=torch.randn(7, 0, 40)),
+            ValueError,
+            r"heads of q \(4\) must be a multiple of kv heads of k \(0\)",
+        ),
         (dict(v=torch.randn(7, 2, 40, dtype=torch.float16)), TypeError, "share a dtype"),
         (dict(q=torch.randint(0, 3, (7, 4, 40))), TypeError, "q must be float"),
         (
@@ -329,6 +335,13 @@ def test_oversized_max_seqlen_is_accepted():
         (dict(causal="no"), TypeError, "causal must be a bool, got str"),  # ran causal
         (dict(max_seqlen_q="8"), TypeError, "max_seqlen_q must be an int or None, got str"),
         (dict(dropout_p=None), ValueError, r"dropout_p must be a number in \[0, 1\), got None"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p must be a number in \[0, 1\), got 1.0"),
+        (dict(causal=1), TypeError, "causal must be a bool, got int"),
+        (
+            dict(max_seqlen_q=3),
+            ValueError,
+            r"max_seqlen_q=3 is smaller than the longest sequence \(4\)",
+        ),
     ],
 )
 def test_bad_option_types(over, exc, match):
