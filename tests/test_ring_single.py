@@ -144,6 +144,28 @@ def test_bad_input_without_process_group():
     torch.testing.assert_close(huge, full)
 
 
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(q=torch.randn(4, 16)), ValueError, r"q must be \(local_tokens, heads, head_dim\)"),
+        (dict(k=torch.randint(0, 3, (4, 2, 8))), TypeError, "k must be float32/float16/bfloat16"),
+        (dict(v=torch.randn(4, 2, 8).double()), TypeError, "q, k, v must share a dtype"),
+        (dict(k=torch.randn(4, 2, 4), v=torch.randn(4, 2, 4)), ValueError, r"k, v must be \(L"),
+        (dict(v=torch.randn(4, 1, 8)), ValueError, r"k, v must be \(L, kv_heads, 8\)"),
+        (dict(k=torch.randn(4, 0, 8), v=torch.randn(4, 0, 8)), ValueError, r"kv heads \(0\)"),
+        (dict(window_size=(3, 0, 1)), ValueError, r"window_size must be \(left, right\)"),
+        (dict(kv_head_stride=0), ValueError, "kv_head_stride must be a positive int or None"),
+        (dict(tile=0), ValueError, "tile must be a positive int, got 0"),
+    ],
+)
+def test_bad_shapes_and_options_without_process_group(over, exc, match):
+    plan = RingPlan.build(_cu([4]), 1)
+    args = dict(q=torch.randn(4, 2, 8), k=torch.randn(4, 2, 8), v=torch.randn(4, 2, 8), plan=plan)
+    args.update(over)
+    with pytest.raises(exc, match=match):
+        ring_varlen_attention(**args)
+
+
 def test_scalar_options_checked_softcap_none_is_off():
     plan = RingPlan.build(_cu(LENGTHS), 1)
     x = torch.randn(plan.local_len, 2, 8)
