@@ -279,6 +279,9 @@ def test_zero3_decoding_steps_are_synced_over_ranks(tiny, prompts, monkeypatch):
         (dict(top_p=1.5), "top_p"),
         (dict(top_p=math.nan), "top_p"),
         (dict(top_p=0.0, greedy=True), "top_p"),
+        (dict(temperature=True), "temperature: expected a float > 0"),  # not 1.0
+        (dict(temperature=math.inf), "temperature: expected a float > 0"),
+        (dict(top_p=True), r"top_p: expected a float in \(0, 1\], got True"),
     ],
 )
 def test_generate_validation(tiny, kwargs, text):

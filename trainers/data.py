@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 import warnings
 from collections.abc import Mapping, Sequence
@@ -89,9 +90,12 @@ def _parse_probs(probs: str, n: int) -> list[float]:
         values = [float(p) for p in probs.split(",")]
     except ValueError:
         raise ValueError(f"probs: expected comma-separated floats, got {probs!r}") from None
-    if len(values) != n or any(not v > 0 for v in values):
-        raise ValueError(f"probs: expected {n} positive floats (one per dataset), got {probs!r}")
-    return [v / sum(values) for v in values]
+    if len(values) != n or any(not (0 < v < math.inf) for v in values):
+        raise ValueError(
+            f"probs: expected {n} positive finite floats (one per dataset), got {probs!r}"
+        )
+    top = max(values)  # scaled first: a sum of values near the float limit overflows to inf
+    return [v / top / sum(x / top for x in values) for v in values]
 
 
 def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[datasets.Dataset]:
@@ -248,8 +252,8 @@ def check_template(input_template: str | None, flag: str = "input_template") -> 
     ``{{}}`` is a literal ``{}`` for ``str.format``; write literal braces as ``{{`` ``}}``)."""
     if input_template is None:
         return
-    try:
-        placed = "\0" in input_template.format("\0")
+    try:  # the prompt is placed when it shows in the result (a literal NUL is no placeholder)
+        placed = input_template.format("a") != input_template.format("b")
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(
             f"{flag} {input_template!r}: str.format fails on it ({type(e).__name__}: {e}); "

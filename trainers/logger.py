@@ -31,11 +31,14 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     out = []
     for i, line in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 break
-            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {line!r}") from None
+            record = None
+        if not isinstance(record, dict):  # valid JSON but no object ([1], 3) is no record
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {line!r}")
+        out.append(record)
     return out
 
 

@@ -8,13 +8,14 @@ the same protocol and replace it without touching the trainer.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from rlhf_kernels._checks import is_real
 
 
 @runtime_checkable
@@ -130,12 +131,12 @@ def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy) 
     for name, v in (("n_samples", n_samples), ("max_new_tokens", max_new_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"generate: {name}: expected an int >= 1, got {v!r}")
-    if not greedy and not (isinstance(temperature, (int, float)) and temperature > 0):
+    if not greedy and not (is_real(temperature, finite=True, positive=True)):
         raise ValueError(
             f"generate: temperature: expected a float > 0 when sampling (greedy=False), got "
             f"{temperature!r}"
         )
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1) or math.isnan(top_p):
+    if not (is_real(top_p) and 0 < top_p <= 1):  # (a bool, NaN fail)
         raise ValueError(f"generate: top_p: expected a float in (0, 1], got {top_p!r}")
 
 
