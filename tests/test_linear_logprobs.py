@@ -151,6 +151,15 @@ def test_bad_input():
         linear_logprobs(h[0], w, labels)
     with pytest.raises(ValueError, match="chunk_tokens must be None or an int >= 1"):
         linear_logprobs(h, w, labels, chunk_tokens=0)
+    with pytest.raises(ValueError, match="chunk_vocab must be None or an int >= 1, got True"):
+        linear_logprobs(h, w, labels, chunk_vocab=True)
+    with pytest.raises(TypeError, match="hidden must be a float tensor, got torch.int64"):
+        linear_logprobs(h.long(), w, labels)
+    for tau in (0.0, -1.0):
+        with pytest.raises(ValueError, match="temperature must be a number > 0"):
+            linear_logprobs(h, w, labels, temperature=tau)
+    with pytest.raises(ValueError, match="hidden, weight, labels, bias must share a device"):
+        linear_logprobs(h, w, labels.to("meta"))
     with pytest.raises(ValueError, match="mask must have labels' shape"):
         linear_nll_loss(h, w, labels, torch.ones(3))
 
