@@ -98,8 +98,9 @@ class Sender:
                     else:
                         if j not in contiguous:
                             # (a conjugate or negative view has no byte view: resolve it first)
-                            flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-                            contiguous[j] = flat.view(torch.uint8)
+                            contiguous[j] = (
+                                t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+                            ).view(torch.uint8)  # no other name: freed at its del below
                         buf[lo - start : hi - start].copy_(contiguous[j][lo - off : hi - off])
                         if hi == off + n:
                             del contiguous[j]
