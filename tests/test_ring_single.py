@@ -276,3 +276,37 @@ def test_run_gloo_reports_a_worker_that_dies_at_once():
         run_gloo(_dies_on_rank_one, 2, "result", timeout_s=120)
     assert time.perf_counter() - t0 < 60
     assert run_gloo(_dies_on_rank_one, 1, timeout_s=60) == [0]
+
+
+def test_gather_and_token_mean_contract_at_world_one():
+    plan = RingPlan.build(_cu([3, 2]), 1)
+    local = torch.randn(plan.local_len, 2, requires_grad=True)
+    out = gather_from_ring(local, plan)
+    assert not out.requires_grad and torch.equal(out, local.detach())  # not differentiable
+    for bad, exc, match in (
+        ([1.0] * 5, TypeError, "local must be a torch.Tensor, got list"),
+        (torch.tensor(1.0), ValueError, r"local_len=5 as first dim, got \(\)"),
+        (torch.zeros(4, 2), ValueError, r"local_len=5 as first dim, got \(4, 2\)"),
+    ):
+        with pytest.raises(exc, match=match):
+            gather_from_ring(bad, plan)
+    for dst, exc in ((1, ValueError), (-1, ValueError), (0.0, ValueError), (True, ValueError)):
+        with pytest.raises(exc, match=r"dst must be a group rank in \[0, 1\)"):
+            gather_from_ring(local, plan, dst=dst)
+    # ring_token_mean: a broadcast mask counts once per broadcast token; fp16 sums in fp32
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], requires_grad=True)
+    mask = torch.tensor([[1.0], [0.0], [1.0]])
+    mean = ring_token_mean(values, mask)
+    assert mean.item() == (1 + 2 + 5 + 6) / 4
+    mean.backward()
+    assert torch.equal(values.grad, torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]) / 4)
+    zero = ring_token_mean(values, torch.zeros(3, 2))  # no token: 0, not NaN
+    assert zero.item() == 0.0
+    big = torch.full((4096,), 60.0, dtype=torch.float16)  # an fp16 sum overflows at 65504
+    assert ring_token_mean(big, torch.ones(4096)).item() == 60.0
+    with pytest.raises(ValueError, match=r"does not broadcast to values' shape \(3, 2\)"):
+        ring_token_mean(values, torch.ones(3, 3))
+    with pytest.raises(ValueError, match=r"does not broadcast to values' shape \(3,\)"):
+        ring_token_mean(values[:, 0], torch.ones(3, 1))  # would broadcast values up to (3, 3)
+    with pytest.raises(ValueError, match="mask values must be 0 or 1"):
+        ring_token_mean(values, torch.full((3, 2), 2.0))
