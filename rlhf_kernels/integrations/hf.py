@@ -19,9 +19,10 @@ The attention function picks, in order:
    Causal layers: queries are the last ``S_q`` keys and padding query rows give 0. Non-causal
    layers (encoders, cross-attention) mask keys only and compute every query row, as SDPA does.
    Each row's real tokens are one sequence, or (causal self-attention with ``position_ids``)
-   several: a sample starts wherever the position does not increase (packed rows padded to a
-   multiple; whole-row forwards only: a decode step after a KV cache, with fewer queries than
-   keys, has no key positions and sees its whole row). ``cu_seq_lens_q/k`` with a padding mask
+   several: a sample starts where the position is not the previous token's + 1 (as in 4.), and
+   across padding inside a row where it does not increase (packed rows padded to a multiple;
+   whole-row forwards only: a decode step after a KV cache, with fewer queries than keys, has
+   no key positions and sees its whole row). ``cu_seq_lens_q/k`` with a padding mask
    are refused.
 3. ``cu_seq_lens_q/k`` (+ ``max_length_q/k``) kwargs, e.g. from :func:`packed_model_inputs`
    (validated at the first attention layer of each forward, cached for the others).
@@ -449,7 +450,8 @@ def rlhf_attention_forward(
 def _padded_attention(q, k, v, mask, window, common, pos=None) -> torch.Tensor:
     """Unpad a padded batch (q ``(B, S_q, H, D)``, k/v ``(B, S_k, KVH, D)``), run varlen, re-pad.
     ``pos``: causal self-attention's ``position_ids`` ``(B or 1, S)``: a row's real tokens are
-    further split where the position does not increase (samples packed in a padded row)."""
+    further split at position restarts (samples packed in a padded row, see
+    :func:`_padded_layout_uncached`)."""
     bsz, s_q, heads, dim = q.shape
     s_k = k.shape[1]
     if mask.dim() != 2 or mask.shape[0] != bsz or mask.shape[1] < s_k:
@@ -545,7 +547,8 @@ def _padded_layout_uncached(mask, s_q: int, s_k: int, all_queries: bool = False,
     """``((idx_q, idx_k, cu_q, cu_k, max_q, max_k), holes)``: ``holes`` tells whether some row
     has padding between real tokens (sliding windows refuse it). One host read. ``pos``
     (causal self-attention, ``s_q == s_k``): a sample also starts at each real token whose
-    position is not above the previous real token's of its row."""
+    position is not the previous token's + 1 (or, across padding inside the row, not above the
+    previous real token's)."""
     mask_k = mask[:, -s_k:].bool()
     if all_queries:
         mask_q = torch.ones(mask.shape[0], s_q, dtype=torch.bool, device=mask.device)
@@ -559,7 +562,10 @@ def _padded_layout_uncached(mask, s_q: int, s_k: int, all_queries: bool = False,
     if pos is not None:  # idx_q == idx_k: one cu_seqlens for both
         p = pos.expand(mask.shape[0], -1).reshape(-1)[idx_q]
         start = torch.ones_like(p, dtype=torch.bool)
-        start[1:] = p[1:] <= p[:-1]
+        # next to each other: transformers' rule (pos != previous + 1), so an all-ones mask
+        # splits as no mask does; across padding inside a row: where the position drops or stays
+        beside = idx_q[1:] == idx_q[:-1] + 1
+        start[1:] = torch.where(beside, p[1:] != p[:-1] + 1, p[1:] <= p[:-1])
         start[cu_q[:-1][n_q > 0].long()] = True  # every row's first real token
         cu_q = cu_k = torch.cat([start.nonzero().flatten(), cu_q[-1:].long()]).to(torch.int32)
         n_q = n_k = cu_q[1:] - cu_q[:-1]
