@@ -69,15 +69,25 @@ def test_group_advantages_bad_input():
         group_advantages(torch.randn(10), 4)
     with pytest.raises(ValueError, match="estimator must be one of"):
         group_advantages(torch.randn(8), 4, "ppo")
-    with pytest.raises(ValueError, match="needs group_size >= 2"):
-        group_advantages(torch.randn(8), 1, "rloo")
+    for estimator in ("rloo", "grpo"):  # grpo: the std of one reward is NaN
+        with pytest.raises(ValueError, match=f"estimator '{estimator}' needs group_size >= 2"):
+            group_advantages(torch.randn(8), 1, estimator)
+    with pytest.raises(ValueError, match="group_size must be a positive int, got 0"):
+        group_advantages(torch.randn(8), 0)
     with pytest.raises(ValueError, match="rewards must be 1-D"):
         group_advantages(torch.randn(2, 4), 4)
     with pytest.raises(TypeError, match="rewards must be a float tensor"):
         group_advantages(torch.ones(8, dtype=torch.long), 4)
-    for eps in (-1e-6, float("nan"), "1e-6"):  # a negative eps gave NaN advantages silently
+    for eps in (-1e-6, float("nan"), float("inf"), "1e-6"):  # a negative eps gave NaN silently
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             group_advantages(torch.randn(8), 4, eps=eps)
+
+
+def test_one_reward_has_a_zero_baseline_advantage():
+    """reinforce_baseline over a single response: the centred reward is 0 and so is its
+    advantage (the std of one value is NaN in torch; taken as 0 here)."""
+    for estimator in ("reinforce_baseline", "dr_grpo"):
+        assert group_advantages(torch.tensor([3.0]), 1, estimator).tolist() == [0.0]
 
 
 def test_whiten_masked():

@@ -64,6 +64,38 @@ def test_clear_errors():
         fused_linear_cross_entropy(x, w, y.clamp(min=0) + 1000)
 
 
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(accum_dtype=torch.int32), TypeError, "accum_dtype must be None or a floating"),
+        (dict(accum_dtype="float32"), TypeError, "accum_dtype must be None or a floating"),
+        (dict(chunk_mem_const=True), TypeError, "chunk_mem_const must be a positive int"),
+        (dict(chunk_mem_const=0), ValueError, "chunk_mem_const must be a positive int, got 0"),
+        (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a number in \[0, 1\]"),
+        (dict(lse_square_scale=-1e-4), ValueError, "lse_square_scale must be a number >= 0"),
+        (dict(ce_weight=torch.ones(7)), ValueError, r"ce_weight must be a \(\d+,\) tensor"),
+        (dict(ce_weight="ones"), ValueError, "ce_weight must be a"),
+        (dict(ce_weight="int"), TypeError, "ce_weight must be a floating-point tensor"),
+        (dict(ce_weight="meta"), ValueError, "ce_weight is on meta, the weight on cpu"),
+    ],
+)
+def test_bad_options_are_named(kw, exc, match):
+    x, w, b, y = _problem()
+    made = {"int": dict(dtype=torch.long), "meta": dict(device="meta")}
+    if isinstance(kw.get("ce_weight"), str) and kw["ce_weight"] in made:
+        kw["ce_weight"] = torch.ones(w.shape[0], **made[kw["ce_weight"]])
+    with pytest.raises(exc, match=match):
+        fused_linear_cross_entropy(x, w, y, b, **kw)
+
+
+def test_bad_input_and_module_flags_are_named():
+    x, w, b, y = _problem()
+    with pytest.raises(ValueError, match=r"input must be a \(..., H\) tensor, got Tensor"):
+        fused_linear_cross_entropy(torch.tensor(1.0), w, y)
+    with pytest.raises(TypeError, match="return_z_loss must be True or False, got 1"):
+        FusedLinearCrossEntropyLoss(return_z_loss=1)
+
+
 def _torch_ce(x, w, b, y, **kw):
     """float64 ``F.cross_entropy(F.linear(...))`` on fresh leaves: (loss, leaves, logits)."""
     leaves = [

@@ -178,6 +178,14 @@ def test_bad_input():
         discounted_returns(torch.ones(3, dtype=torch.long), gamma=1.0, mask=torch.ones(3))
     with pytest.raises(ValueError, match="backend must be one of"):
         discounted_returns(r, gamma=1.0, cu_seqlens=torch.tensor([0, 10]), backend="cuda")
+    with pytest.raises(
+        ValueError, match=r"values must have rewards's shape \(2, 5\), got \(5, 2\)"
+    ):
+        gae(r.view(2, 5), r.view(5, 2), gamma=1.0, lam=1.0, mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="all tensors must be on the same device"):
+        gae(r, r.to("meta"), gamma=1.0, lam=1.0, cu_seqlens=torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match="all tensors must be on the same device"):
+        reverse_scan(r.view(2, 5), r.view(2, 5).to("meta"))
 
 
 @pytest.mark.gpu

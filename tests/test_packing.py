@@ -60,6 +60,18 @@ def test_pack_sequences_rejects_bad_input():
         pack_sequences([torch.ones(0, dtype=torch.long)])
     with pytest.raises(TypeError, match="integer token ids"):
         pack_sequences([torch.ones(3)])
+    with pytest.raises(TypeError, match=r"seqs\[0\] must hold integer token ids, got torch.compl"):
+        pack_sequences([torch.ones(3, dtype=torch.complex64)])
+    with pytest.raises(ValueError, match=r"seqs\[0\] is on cpu and seqs\[1\] on meta"):
+        pack_sequences(
+            [torch.ones(3, dtype=torch.long), torch.ones(2, dtype=torch.long, device="meta")]
+        )
+    packed = pack_sequences([torch.tensor([5, 6]), torch.tensor([7])])
+    with pytest.raises(ValueError, match=r"one tensor per sample \(2\), got 3"):
+        packed.pack([torch.zeros(2), torch.zeros(1), torch.zeros(4)])
+    one = pack_sequences([torch.tensor([5])])  # one token: a (1, 4) row is (T, 4), not (1, T)
+    (row,) = one.unpack(torch.arange(4.0)[None])
+    assert row.shape == (1, 4)
 
 
 # ----------------------------------------------------------------------------- labels
@@ -318,3 +330,7 @@ def test_plan_validates_input():
     assert plan_micro_batches(torch.tensor([3, 2], dtype=torch.int32), 5) == [[[0, 1]]]
     with pytest.raises(ValueError, match="num_groups must be an int >= 1, got 0"):
         plan_micro_batches([1], 10, num_groups=0)
+    with pytest.raises(ValueError, match="num_groups must be an int >= 1, got True"):
+        plan_micro_batches([1], 10, num_groups=True)
+    with pytest.raises(ValueError, match="max_tokens must be a positive int, got True"):
+        plan_micro_batches([1], True)  # a budget of 1 token
