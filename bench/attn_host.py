@@ -62,7 +62,6 @@ def _picks(total, dim):
 
 
 def _rows(total, dim, calls, wanted):
-
     heads = 2048 // dim
     lengths = _lengths(total, total // 16, total // 4, seed=total + dim)
     cu = torch.tensor([0, *_cumsum(lengths)], dtype=torch.int32, device="cuda")

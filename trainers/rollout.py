@@ -131,7 +131,7 @@ def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy) 
     for name, v in (("n_samples", n_samples), ("max_new_tokens", max_new_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"generate: {name}: expected an int >= 1, got {v!r}")
-    if not greedy and not (is_real(temperature, finite=True, positive=True)):
+    if not greedy and not is_real(temperature, finite=True, positive=True):
         raise ValueError(
             f"generate: temperature: expected a float > 0 when sampling (greedy=False), got "
             f"{temperature!r}"
