@@ -297,12 +297,33 @@ def write_reports(
     return written
 
 
+def _iso_date(text: str) -> str:
+    """``--date``: a real YYYY-MM-DD (it becomes part of a file name)."""
+    try:
+        return _dt.date.fromisoformat(text).isoformat()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a date YYYY-MM-DD, got {text!r}") from None
+
+
+def _tag(text: str) -> str:
+    """``--tag``: a file-name-safe machine tag (letters, digits, ``._+-``)."""
+    if not text or _safe(text) != text:
+        raise argparse.ArgumentTypeError(
+            f"expected a tag of letters, digits and ._+- (like h100-80gb-hbm3), got {text!r}"
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--raw", type=Path, default=DEFAULT_RAW, help="pytest-benchmark JSON")
     ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--tag", default=None, help="machine tag (default: cpu or the GPU name)")
-    ap.add_argument("--date", default=None, help="YYYY-MM-DD (default: the run's date)")
+    ap.add_argument(
+        "--tag", type=_tag, default=None, help="machine tag (default: cpu or the GPU name)"
+    )
+    ap.add_argument(
+        "--date", type=_iso_date, default=None, help="YYYY-MM-DD (default: the run's date)"
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--force", action="store_true", help="overwrite existing report files")
     args = ap.parse_args(argv)

@@ -122,6 +122,26 @@ def test_report_writes_json_and_png(tmp_path):
     assert report.main(["--raw", str(done), "--out-dir", str(tmp_path / "o2")]) == 1
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--date", "2026/01/02"), ("--date", "yesterday"), ("--tag", "a/b"), ("--tag", "")],
+)
+def test_report_refuses_a_date_or_tag_that_is_no_file_name_part(flag, value, tmp_path, capsys):
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps(_fake_raw(stamped=True)))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:  # argparse's usage error, before anything is written
+        report.main(["--raw", str(raw), "--out-dir", str(out), flag, value])
+    assert e.value.code == 2 and not out.exists()
+    assert repr(value) in capsys.readouterr().err
+    # well-formed values name the files
+    assert report.main(["--raw", str(raw), "--out-dir", str(out), "--date", "2026-03-04"]) == 0
+    assert report.main(["--raw", str(raw), "--out-dir", str(out), "--tag", "h1.x+2"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert "g-one-h100-80gb-hbm3-quick-2026-03-04.json" in names
+    assert "g-one-h1.x+2-quick-2026-01-02.json" in names
+
+
 SCRIPTS = {  # bench script -> its results name on a machine without a GPU
     "bench_comm": "comm-cpu",
     "bench_liger": "liger-cpu",
