@@ -181,7 +181,7 @@ def commit_folder(tmp: Path, final: Path) -> None:
         os.replace(final, old)
     try:
         os.replace(tmp, final)
-    except OSError:
+    except BaseException:  # an OSError, or an interrupt between the two renames
         if moved:
             os.replace(old, final)
         raise

@@ -27,13 +27,16 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     with open(path) as fh:
-        lines = [ln for ln in fh.read().splitlines() if ln.strip()]
+        lines = fh.read().splitlines()
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     out = []
-    for i, line in enumerate(lines):
+    for i, line in enumerate(lines):  # i + 1: the file's line number, blank lines counted
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            if i == len(lines) - 1:
+            if i == last:
                 break
             record = None
         if not isinstance(record, dict):  # valid JSON but no object ([1], 3) is no record
