@@ -210,6 +210,11 @@ def _first_layer(module: torch.nn.Module) -> bool:
     return False
 
 
+# under torch.compile: run once at trace time, a constant of each layer's graph (the layers are
+# traced in order, so the first one traced is the first one run)
+_first_layer_traced = torch.compiler.assume_constant_result(_first_layer)
+
+
 def _version(t: torch.Tensor) -> int | None:
     """``t._version``; None for inference tensors (no version counter: the caches then rely
     on identity and the first-layer refresh)."""
@@ -414,7 +419,8 @@ def rlhf_attention_forward(
         if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
             from rlhf_kernels.ops.compiled import segments_from_position_ids
 
-            cu = segments_from_position_ids(pos if rows is None else pos.expand(rows, -1))
+            first = _first_layer_traced(module)
+            cu = segments_from_position_ids(pos if rows is None else pos.expand(rows, -1), 1, first)
             longest = None
         else:
             cu, longest = _segments_from_position_ids(pos, _first_layer(module), rows)
@@ -428,7 +434,8 @@ def rlhf_attention_forward(
         if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
             from rlhf_kernels.ops.compiled import segments_from_position_ids
 
-            cu, longest = segments_from_position_ids(segments, step=0), None
+            cu = segments_from_position_ids(segments, 0, _first_layer_traced(module))
+            longest = None
         else:
             cu, longest = _segments_from_position_ids(segments, _first_layer(module), step=0)
         out = varlen_attention(q, k, v, cu, cu, longest, longest, **common)

@@ -38,6 +38,8 @@ Attention dropout is not routed here (it falls back to eager, with a graph break
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from rlhf_kernels._checks import device_guard
@@ -56,8 +58,8 @@ def varlen_attention_fwd(
     v: Tensor,
     cu_q: Tensor,
     cu_k: Tensor,
-    max_q: int,
-    max_k: int,
+    max_q: int | None,
+    max_k: int | None,
     scale: float,
     causal: bool,
     left: int,
@@ -70,9 +72,9 @@ def varlen_attention_fwd(
     from rlhf_kernels.ops.varlen_attention import varlen_attention
 
     res = varlen_attention(
-        q, k, v, cu_q, cu_k, max_q if max_q >= 0 else None, max_k if max_k >= 0 else None,
-        softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap,
-        return_lse=_has_lse(backend, with_lse), backend=backend, deterministic=deterministic,
+        q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+        window_size=(left, right), softcap=softcap, return_lse=_has_lse(backend, with_lse),
+        backend=backend, deterministic=deterministic,
     )  # fmt: skip
     if _has_lse(backend, with_lse):
         return res[0].clone(), res[1].clone()  # outputs must not alias (eager) internals
@@ -113,12 +115,12 @@ def varlen_attention_bwd(
     backend: str,
     deterministic: bool,
     dlse: Tensor | None = None,
-    max_k: int = -1,
+    max_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     from rlhf_kernels.ops.varlen_attention import unbounded_window, varlen_attention
 
-    # the forward's window: judged against its max_seqlen_k (-1: the longest key sequence)
-    left, right = unbounded_window((left, right), max_k if max_k >= 0 else _max_len(cu_k))
+    # the forward's window: judged against its max_seqlen_k (None: the longest key sequence)
+    left, right = unbounded_window((left, right), _max_len(cu_k) if max_k is None else max_k)
     if backend == "triton":
         from rlhf_kernels.ops.varlen_attention_triton import varlen_attention_triton_backward
 
@@ -132,7 +134,7 @@ def varlen_attention_bwd(
 
     def fwd(q, k, v):
         return varlen_attention(
-            q, k, v, cu_q, cu_k, None, None if max_k < 0 else max_k, softmax_scale=scale,
+            q, k, v, cu_q, cu_k, None, max_k, softmax_scale=scale,
             causal=causal, window_size=(left, right),
             softcap=softcap, return_lse=dlse is not None, backend=backend,
             deterministic=deterministic,
@@ -147,7 +149,7 @@ def varlen_attention_bwd(
 
 @varlen_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, left, right, softcap, backend, det,
-      dlse=None, max_k=-1):  # fmt: skip
+      dlse=None, max_k=None):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -173,14 +175,16 @@ torch.library.register_autograd(
 
 
 @torch.library.custom_op("rlhf_kernels::segments_from_position_ids", mutates_args=())
-def segments_from_position_ids(position_ids: Tensor, step: int = 1) -> Tensor:
+def segments_from_position_ids(position_ids: Tensor, step: int = 1, refresh: bool = True) -> Tensor:
     from rlhf_kernels.integrations.hf import _segments_from_position_ids
 
-    return _segments_from_position_ids(position_ids, step=step)[0].clone()
+    # refresh (a model's first attention layer; the op alone cannot tell): the eager cache
+    # misses writes without a version bump (``dist.broadcast`` into a reused buffer)
+    return _segments_from_position_ids(position_ids, refresh=refresh, step=step)[0].clone()
 
 
 @segments_from_position_ids.register_fake
-def _(position_ids, step=1):
+def _(position_ids, step=1, refresh=True):
     n = torch.library.get_ctx().new_dynamic_size(min=2)  # samples + 1: data-dependent
     return position_ids.new_empty(n, dtype=torch.int32)
 
@@ -216,6 +220,18 @@ def _(mask, s_q, s_k, windowed, all_queries, pos=None):
     )
 
 
+def _max_seqlen(name: str, given) -> int | None:
+    """As eager: an int (numpy int, 0-d integer tensor) or None; 3.5 is not truncated to 3."""
+    if given is None:
+        return None
+    try:
+        return operator.index(given)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int or None, got {type(given).__name__} {given!r}"
+        ) from None
+
+
 def compiled_varlen_attention(
     q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_size, softcap, return_lse, backend,
     deterministic=False,
@@ -226,9 +242,9 @@ def compiled_varlen_attention(
             "return_lse under torch.compile needs backend='triton' or 'torch', got "
             "backend='flash_attn'"
         )
+    max_q, max_k = _max_seqlen("max_seqlen_q", max_q), _max_seqlen("max_seqlen_k", max_k)
     out, lse = varlen_attention_fwd(
-        q, k, v, cu_q, cu_k, -1 if max_q is None else int(max_q),
-        -1 if max_k is None else int(max_k), float(scale), bool(causal), int(window_size[0]),
+        q, k, v, cu_q, cu_k, max_q, max_k, float(scale), bool(causal), int(window_size[0]),
         int(window_size[1]), float(softcap), backend, bool(deterministic), bool(return_lse),
     )  # fmt: skip
     return (out, lse) if return_lse else out
@@ -301,8 +317,8 @@ def linear_logprobs_bwd(
             None if g_aux is None else g_aux.float(), a,
         )  # fmt: skip
     dh, dw, db = mod._cast_grads(dh, dw, db, h, b)
-    empty = h.new_empty(0)
-    return tuple(empty if g is None else g for g in (dh, dw, db))
+    # one empty per output: outputs of an op may not alias each other
+    return tuple(h.new_empty(0) if g is None else g for g in (dh, dw, db))
 
 
 @linear_logprobs_bwd.register_fake

@@ -43,7 +43,9 @@ def _check_gather(local, plan, group, dst) -> int:
         code = 2
         msg = f"local must have the plan's local_len={plan.local_len} as first dim, got "
         msg += str(tuple(local.shape))
-    elif dst is not None and (not isinstance(dst, int) or not 0 <= dst < world):
+    elif dst is not None and (
+        isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world
+    ):
         code, msg = 3, f"dst must be a group rank in [0, {world}), got {dst!r}"
     facts = []
     if code == 0:  # the shards must agree on everything but their values
@@ -121,7 +123,8 @@ def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> tor
 
     Args:
         values: ``(local_len, ...)`` per-token values (e.g. per-token losses), any float dtype.
-        mask: same shape (or broadcastable), bool/float; 0 for pads and ignored tokens.
+        mask: same shape (or broadcastable), bool/float; 0 for pads and ignored tokens (their
+            values may be anything, NaN or inf included).
         group: the ring's process group (None: default group).
 
     A bad ``values`` or ``mask`` on any rank raises on every rank (the flag rides on the same
@@ -166,7 +169,7 @@ def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> tor
         )
     count = both[0]
     acc = torch.promote_types(values.dtype, torch.float32)
-    total = (values.to(acc) * mask.to(acc)).sum()
+    total = torch.where(mask != 0, values.to(acc), 0).sum()  # NaN * 0 would be NaN
     return (total / count.clamp(min=1).to(acc)).to(values.dtype)
 
 
