@@ -444,7 +444,9 @@ def advantages(samples: list[Sample], cfg: PPOConfig, layout: Layout, repeats: i
     elif cfg.advantage_estimator in GROUP_ESTIMATORS:
         scalar = group_advantages(scalar, cfg.n_samples_per_prompt, cfg.advantage_estimator)
     tok_r = torch.zeros_like(old)
-    tok_r[cu[1:] - 1] = scalar  # the reward lands on the last response token
+    # the reward lands on the last response token (an empty response has none to carry it)
+    has = torch.tensor([s.n_act > 0 for s in samples], dtype=torch.bool)
+    tok_r[cu[1:][has] - 1] = scalar[has]
     if not cfg.kl_in_loss:
         tok_r = tok_r - cfg.kl_coef * kl
     if cfg.advantage_estimator == "gae":
