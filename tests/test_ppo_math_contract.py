@@ -119,9 +119,10 @@ def _hand_actor(samples, cfg, norm):
 )
 def test_train_actor_loss_metrics_and_gradient_match_a_hand_computation(kw, mbt):
     """policy_loss: the clipped surrogate (token mean over the step, or Dr. GRPO's sum over
-    samples x --max-new-tokens); actor_loss adds --kl-coef x the k3 KL(actor || ref) token mean
-    (--kl-in-loss) and subtracts --entropy-coef x the entropy token mean; entropy, clip_fraction
-    and approx_kl are token means over the step; the gradient is that of actor_loss."""
+    samples x --max-new-tokens); actor_loss adds --kl-coef x the k3 KL(actor || ref)
+    (--kl-in-loss) and subtracts --entropy-coef x the entropy, both aggregated as the surrogate
+    is; entropy, clip_fraction and approx_kl are token means over the step; the gradient is that
+    of actor_loss."""
     samples = _rollout([4, 2, 5])
     cfg = ppo.PPOConfig(micro_batch_tokens=mbt, **kw)
     n = sum(s.n_act for s in samples)

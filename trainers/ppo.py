@@ -83,9 +83,9 @@ class PPOConfig(TrainConfig):
     dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages")
     loss_aggregation: str = _f(
         "token-mean",
-        "how the step's token losses add up: token-mean (over its action tokens) or "
-        "seq-mean-token-sum-norm (Dr. GRPO: their sum over the constant samples x "
-        "--max-new-tokens)",
+        "how the step's token losses (KL and entropy terms included) add up: token-mean "
+        "(over its action tokens) or seq-mean-token-sum-norm (Dr. GRPO: their sum over the "
+        "constant samples x --max-new-tokens)",
         choices=("token-mean", "seq-mean-token-sum-norm"),
     )
     entropy_coef: float = _f(0.0, "entropy bonus")
