@@ -8,6 +8,8 @@ shard. Inputs are one packed ``[1, T]`` row (``cu_seq_lens_*`` / ring context) o
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -46,8 +48,8 @@ def head_logit_args(lm: nn.Module, temperature: float = 1.0) -> dict:
         v = getattr(cfg, name, None)
         if v is None:
             continue
-        if not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"config.{name} must be a number > 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"config.{name} must be a finite number > 0, got {v!r}")
         scale *= float(v) ** power
     if scale != 1.0 and softcap is not None:
         raise NotImplementedError("a model with both a logit scale and final_logit_softcapping")
