@@ -252,9 +252,12 @@ def check_template(input_template: str | None, flag: str = "input_template") -> 
     ``{{}}`` is a literal ``{}`` for ``str.format``; write literal braces as ``{{`` ``}}``)."""
     if input_template is None:
         return
-    try:  # the prompt is placed when it shows in the result (a literal NUL is no placeholder)
-        placed = input_template.format("a") != input_template.format("b")
-    except (KeyError, IndexError, ValueError) as e:
+    a, b = "PROMPT_a_7f3e", "PROMPT_b_7f3e"
+    try:  # the prompt is placed when it shows in the result (a literal NUL is no placeholder;
+        # '{.upper}' shows a method, '{[0]}' one character)
+        shown = input_template.format(a)
+        placed = a in shown and shown != input_template.format(b)
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
         raise ValueError(
             f"{flag} {input_template!r}: str.format fails on it ({type(e).__name__}: {e}); "
             "literal braces are written {{ and }}"
