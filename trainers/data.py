@@ -248,7 +248,7 @@ def check_keys(ds: datasets.Dataset, keys: dict[str, str | None], what: str) -> 
 
 
 def check_template(input_template: str | None, flag: str = "input_template") -> None:
-    """ValueError unless ``input_template.format(prompt)`` works and places the prompt (a
+    """ValueError unless ``input_template.format(prompt)`` works and shows the whole prompt (a
     ``{{}}`` is a literal ``{}`` for ``str.format``; write literal braces as ``{{`` ``}}``)."""
     if input_template is None:
         return
