@@ -694,6 +694,9 @@ def test_autotune_picks_fastest_fitting_candidate_once(monkeypatch):
     launches.clear()
     vt._launch(FakeKernel(), make, meta, blocks, cuda, backward=True)
     assert launches == [((128, 1), 128, 64, 8, 2)]  # remembered: no second tuning
+    launches.clear()  # another dtype with the same constexprs (fp32 under TF32) tunes anew
+    vt._launch(FakeKernel(), make, meta, blocks, cuda, True, 0, torch.float32)
+    assert len(launches) == len(fake_ms) + 1
     monkeypatch.setenv("RLHF_KERNELS_AUTOTUNE", "0")
     assert not vt._autotune_on(cuda) and not vt._autotune_on(torch.device("cpu"))
     # small defaults (fp32, head_dim > 128) also try halved tiles

@@ -440,8 +440,9 @@ def _block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-# (kernel name, device, requested blocks, constexprs) -> blocks that fit in shared memory (or,
-# with autotuning on, the fastest that fit)
+# (kernel name, device, dtype, requested blocks, constexprs) -> blocks that fit in shared memory
+# (or, with autotuning on, the fastest that fit); fp32 and bf16 may share every constexpr (TF32)
+# but not their shared-memory need
 _FITTING_BLOCKS: dict = {}
 
 # Autotuning candidates (BLOCK_M, BLOCK_N, warps, stages): the default first, then the best of the
@@ -501,7 +502,7 @@ def _tune(kernel, make, meta, candidates):
     return best or candidates[0]
 
 
-def _launch(kernel, make, meta, blocks, device, backward=False, tokens=0):
+def _launch(kernel, make, meta, blocks, device, backward=False, tokens=0, dtype=None):
     """Launch ``kernel`` with ``grid, args = make(BLOCK_M, BLOCK_N)``; on a shared-memory overflow
     halve the blocks (down to 16) and retry.
 
@@ -511,7 +512,7 @@ def _launch(kernel, make, meta, blocks, device, backward=False, tokens=0):
     """
     tune = _autotune_on(device)
     size = 1 << (max(int(tokens), 1) - 1).bit_length() if tune else None
-    key = (kernel.fn.__name__, str(device), blocks, tuple(sorted(meta.items())), size)
+    key = (kernel.fn.__name__, str(device), str(dtype), blocks, tuple(sorted(meta.items())), size)
     if key not in _FITTING_BLOCKS and tune:
         _FITTING_BLOCKS[key] = _tune(kernel, make, meta, _candidates(blocks, backward))
     bm, bn, warps, stages = _FITTING_BLOCKS.get(key, blocks)
@@ -661,7 +662,7 @@ def varlen_attention_triton_forward(
     blocks = _block_sizes(dim, q.dtype, "fwd", total_q)
     # every program of a section streams K and V of its kv head
     sec = _head_section(q.device, heads, meta["GROUP"], 2 * k.shape[0] * dim * k.element_size())
-    _launch(_fwd_kernel, make, meta, blocks, q.device, tokens=total_q)
+    _launch(_fwd_kernel, make, meta, blocks, q.device, tokens=total_q, dtype=q.dtype)
     return out, lse
 
 
@@ -792,11 +793,11 @@ def _backward_kernels(
     sec_kv = _head_section(q.device, kv_heads * split, split, per_q * group)
     sec_q = _head_section(q.device, heads, group, 2 * total_k * dim * k.element_size())
     meta_kv = dict(meta, SPLIT=split)
-    _launch(_bwd_dkdv_kernel, make_dkdv, meta_kv, blocks_kv, q.device, True, total_k)
+    _launch(_bwd_dkdv_kernel, make_dkdv, meta_kv, blocks_kv, q.device, True, total_k, q.dtype)
     if split > 1:
         dk.copy_(gk.sum(0))
         dv.copy_(gv.sum(0))
-    _launch(_bwd_dq_kernel, make_dq, meta, blocks_q, q.device, True, total_q)
+    _launch(_bwd_dq_kernel, make_dq, meta, blocks_q, q.device, True, total_q, q.dtype)
     # every token of dq/dk/dv is written: the schedules hold every block of every sequence
     return dq, dk, dv
 

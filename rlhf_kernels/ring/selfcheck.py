@@ -78,6 +78,8 @@ def check(
     the ring's and single device's max abs error against a wider-dtype ground truth, and the
     tolerance, see :func:`verdict`) and ``ok``.
     """
+    if iters < 1:  # the median of no timed step
+        raise ValueError(f"iters must be >= 1, got {iters}")
     group, ring_index = ring_group(ring_size)
     rank, _ = group_rank(group)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
