@@ -23,6 +23,17 @@ from . import _stream, _wire
 Prepare = Callable[[list], tuple[bytes, int, Callable[[], None], Any]]
 # receive(description, n_samples, payload word) -> (value to yield, works filling it)
 Receive = Callable[[Any, int, int], tuple[Any, list]]
+ERROR_TEXT = 64 << 10  # characters of an error message an ERROR / FAILED header carries
+
+
+def _error_text(exc: BaseException) -> str:
+    """``Type: message`` for an error header: cut short, and never raising (an error here would
+    leave the receivers without their header, waiting for the timeout)."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:
+        text = f"{type(exc).__name__}: (its message could not be formatted)"
+    return text if len(text) <= ERROR_TEXT else text[:ERROR_TEXT] + " ... (cut)"
 
 
 def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, drain) -> Iterator:
@@ -46,7 +57,7 @@ def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, d
                 if batch is not None:
                     data, word, start, value = prepare(batch)  # validates; nothing sent yet
             except Exception as exc:
-                yield from close(_wire.ERROR, f"{type(exc).__name__}: {exc}")
+                yield from close(_wire.ERROR, _error_text(exc))
                 raise
             if batch is None:
                 yield from close(_wire.END)
@@ -59,7 +70,7 @@ def send_loop(header: _wire.Header, batches: Iterator[list], prepare: Prepare, d
                 raise
             except Exception as exc:
                 # the receivers drop this micro-batch (not yielded here either) and raise
-                yield from close(_wire.FAILED, f"{type(exc).__name__}: {exc}")
+                yield from close(_wire.FAILED, _error_text(exc))
                 raise
             if prev is not None:
                 yield prev
