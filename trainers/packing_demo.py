@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> tuple[RunStats, RunStats]:
     order: list[int] = []
     bar = tqdm(range(args.steps), desc="training (packed vs padded)", unit="step")
     for step in bar:
-        if len(order) < args.batch_size:
+        while len(order) < args.batch_size:  # (a batch may outnumber the corpus)
             order += rng.sample(range(len(samples)), len(samples))
         batch, order = [samples[i] for i in order[: args.batch_size]], order[args.batch_size :]
         plan = plan_micro_batches([len(s) for s in batch], args.max_tokens)[0]
