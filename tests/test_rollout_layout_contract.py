@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from test_trainer_rollout import _biased
 from torch import nn
 
 from trainers import distributed as D
@@ -30,18 +31,6 @@ def tiny(tmp_path_factory):
     path = ensure_tiny(tmp_path_factory.mktemp("tiny") / "tiny")
     tok = AutoTokenizer.from_pretrained(path)
     return tok, AutoModelForCausalLM.from_pretrained(path, attn_implementation=register()).eval()
-
-
-def _biased(model, token: int) -> nn.Module:
-    """A copy of ``model`` that always prefers ``token`` (+50 on its logit)."""
-    m = copy.deepcopy(model)
-    old = m.lm_head
-    m.lm_head = nn.Linear(old.in_features, old.out_features, bias=True)
-    with torch.no_grad():
-        m.lm_head.weight.copy_(old.weight)
-        m.lm_head.bias.zero_()
-        m.lm_head.bias[token] = 50.0
-    return m
 
 
 # ----------------------------------------------------------------------------- rollout
