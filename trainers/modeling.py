@@ -8,11 +8,10 @@ shard. Inputs are one packed ``[1, T]`` row (``cu_seq_lens_*`` / ring context) o
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
+from rlhf_kernels._checks import is_real
 from rlhf_kernels.ops.linear_logprobs import linear_nll_loss
 from rlhf_kernels.packing import IGNORE_INDEX
 
@@ -48,7 +47,7 @@ def head_logit_args(lm: nn.Module, temperature: float = 1.0) -> dict:
         v = getattr(cfg, name, None)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        if not is_real(v, finite=True, positive=True):
             raise ValueError(f"config.{name} must be a finite number > 0, got {v!r}")
         scale *= float(v) ** power
     if scale != 1.0 and softcap is not None:

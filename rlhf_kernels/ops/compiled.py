@@ -38,8 +38,6 @@ Attention dropout is not routed here (it falls back to eager, with a graph break
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from rlhf_kernels._checks import device_guard
@@ -220,18 +218,6 @@ def _(mask, s_q, s_k, windowed, all_queries, pos=None):
     )
 
 
-def _max_seqlen(name: str, given) -> int | None:
-    """As eager: an int (numpy int, 0-d integer tensor) or None; 3.5 is not truncated to 3."""
-    if given is None:
-        return None
-    try:
-        return operator.index(given)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an int or None, got {type(given).__name__} {given!r}"
-        ) from None
-
-
 def compiled_varlen_attention(
     q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_size, softcap, return_lse, backend,
     deterministic=False,
@@ -242,7 +228,9 @@ def compiled_varlen_attention(
             "return_lse under torch.compile needs backend='triton' or 'torch', got "
             "backend='flash_attn'"
         )
-    max_q, max_k = _max_seqlen("max_seqlen_q", max_q), _max_seqlen("max_seqlen_k", max_k)
+    from rlhf_kernels.ops.varlen_attention import as_max_seqlen
+
+    max_q, max_k = as_max_seqlen("max_seqlen_q", max_q), as_max_seqlen("max_seqlen_k", max_k)
     out, lse = varlen_attention_fwd(
         q, k, v, cu_q, cu_k, max_q, max_k, float(scale), bool(causal), int(window_size[0]),
         int(window_size[1]), float(softcap), backend, bool(deterministic), bool(return_lse),

@@ -294,6 +294,19 @@ def scalar_problem(softmax_scale, causal, softcap, dtype: torch.dtype) -> str:
     return ""
 
 
+def as_max_seqlen(name: str, given) -> int | None:
+    """``max_seqlen_q/k`` as given: an int (numpy int, 0-d integer tensor) or None; 3.5 is a
+    TypeError, not 3 (the eager checks and the traced path share it)."""
+    if given is None:
+        return None
+    try:
+        return operator.index(given)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int or None, got {type(given).__name__} {given!r}"
+        ) from None
+
+
 def _check_inputs(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, window_size, softcap
 ):
@@ -336,13 +349,7 @@ def _check_inputs(
         ("max_seqlen_q", max_seqlen_q, longest_q),
         ("max_seqlen_k", max_seqlen_k, longest_k),
     ):
-        if given is not None:
-            try:
-                given = operator.index(given)  # int, numpy int, 0-d integer tensor
-            except TypeError:
-                raise TypeError(
-                    f"{name} must be an int or None, got {type(given).__name__} {given!r}"
-                ) from None
+        given = as_max_seqlen(name, given)
         if given is not None and given < longest:
             raise ValueError(f"{name}={given} is smaller than the longest sequence ({longest})")
         bound = given if name == "max_seqlen_k" and given is not None else bound
