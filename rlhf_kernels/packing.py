@@ -80,6 +80,8 @@ class PackedBatch:
 
     def unpack(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Split ``x`` of shape ``(T, *rest)`` (or ``(1, T, *rest)``) into per-sample views."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == self.num_tokens:
             x = x[0]
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
@@ -147,7 +149,7 @@ def pack_sequences(seqs: Sequence[torch.Tensor]) -> PackedBatch:
             raise ValueError(
                 f"seqs[{i}] must be a non-empty 1-D tensor, got shape {tuple(s.shape)}"
             )
-        if s.is_floating_point() or s.is_complex():
+        if s.is_floating_point() or s.is_complex() or s.dtype == torch.bool:
             raise TypeError(f"seqs[{i}] must hold integer token ids, got {s.dtype}")
         if s.device != seqs[0].device:
             raise ValueError(
@@ -168,10 +170,15 @@ def pack_sequences(seqs: Sequence[torch.Tensor]) -> PackedBatch:
 
 
 # ----------------------------------------------------------------------------- planning
-def _check_plan_args(lengths, max_tokens, num_groups) -> list[int]:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+def _is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_plan_args(lengths, max_tokens, num_groups) -> tuple[list[int], int, int]:
+    if not _is_int(max_tokens) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+    if not _is_int(num_groups) or num_groups < 1:
         raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
     if isinstance(lengths, torch.Tensor):
         if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex():
@@ -182,7 +189,7 @@ def _check_plan_args(lengths, max_tokens, num_groups) -> list[int]:
         lengths = lengths.tolist()
     lens = []
     for i, n in enumerate(lengths):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        if not _is_int(n) or n < 0:
             raise ValueError(f"lengths[{i}] must be an int >= 0 (a token count), got {n!r}")
         if n > max_tokens:
             raise ValueError(
@@ -190,7 +197,7 @@ def _check_plan_args(lengths, max_tokens, num_groups) -> list[int]:
                 f"truncate it or raise the budget"
             )
         lens.append(int(n))
-    return lens
+    return lens, int(max_tokens), int(num_groups)
 
 
 def _best_fit_decreasing(order: list[int], lens: list[int], max_tokens: int) -> list[list[int]]:
@@ -559,7 +566,7 @@ def plan_micro_batches(
         only when no micro-batch has two samples left to split (fewer samples than the rounded
         micro-batch count, e.g. than ``num_groups``): skip it, but step with the other ranks.
     """
-    lens = _check_plan_args(lengths, max_tokens, num_groups)
+    lens, max_tokens, num_groups = _check_plan_args(lengths, max_tokens, num_groups)
     if not lens:
         return [[] for _ in range(num_groups)]
     bins = _pack(lens, max_tokens)

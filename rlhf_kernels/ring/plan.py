@@ -266,6 +266,8 @@ class RingPlan:
                 f"labels must be a 1-D tensor of length {self.total} or a (1, {self.total}) "
                 f"row, got {shape}"
             )
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise TypeError(f"labels must hold integer token ids, got {labels.dtype}")
         cu = torch.tensor(self.cu_seqlens, device=labels.device)
         nxt = torch.full((self.total,), ignore_index, dtype=torch.int64, device=labels.device)
         nxt[:-1] = labels[1:].long()
