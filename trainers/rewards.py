@@ -119,6 +119,9 @@ def score(
 
 # ----------------------------------------------------------------------------- the toy task
 def _check_targets(fn: str, responses, target) -> None:
+    for key, v in (("responses", responses), ("target", target)):
+        if isinstance(v, str):  # one string would be read as one entry per character
+            raise ValueError(f"{fn}: {key}: expected a list of strings, got the str {v!r:.80}")
     if len(target) != len(responses):
         raise ValueError(
             f"{fn}: target: expected one entry per response ({len(responses)}), got {len(target)}"

@@ -118,7 +118,11 @@ def split_responses(
     return out
 
 
-def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy) -> None:
+def _is_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+
+
+def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy, seed) -> None:
     if not isinstance(prompts, Sequence) or isinstance(prompts, str) or len(prompts) == 0:
         raise ValueError(
             f"generate: prompts: expected a non-empty list of token-id lists, got {prompts!r:.80}"
@@ -128,6 +132,14 @@ def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy) 
             raise ValueError(
                 f"generate: prompts[{i}]: expected a non-empty list of token ids, got {p!r:.80}"
             )
+        bad = [t for t in p if not _is_id(t)]  # (a float id would be truncated silently)
+        if bad:
+            raise ValueError(
+                f"generate: prompts[{i}]: expected token ids (ints >= 0), got {bad[0]!r} in "
+                f"{p!r:.80}"
+            )
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # 1.5 would seed 1
+        raise ValueError(f"generate: seed: expected an int, got {seed!r}")
     for name, v in (("n_samples", n_samples), ("max_new_tokens", max_new_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"generate: {name}: expected an int >= 1, got {v!r}")
@@ -192,7 +204,7 @@ class HFGenerationEngine:
     ) -> list[list[int]]:
         """``len(prompts) * n_samples`` responses, prompt-major, each ending with EOS (kept) when
         produced, else exactly ``max_new_tokens`` long. ValueError on bad arguments."""
-        _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy)
+        _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy, seed)
         tok = self.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos

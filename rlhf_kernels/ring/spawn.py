@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhf_kernels._checks import is_real
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -56,6 +58,41 @@ def _gone(rank: int, code: int) -> str:
     return f"--- rank {rank} ---\n{why} (exit code {code}) without a result"
 
 
+def _check(who: str, world_size, timeout_s, threads) -> None:
+    """ValueError before anything starts (``world_size=0`` would run ``fn`` nowhere)."""
+    for name, v in (("world_size", world_size), ("threads", threads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{who}: {name}: expected an int >= 1, got {v!r}")
+    if not is_real(timeout_s, finite=True, positive=True):
+        raise ValueError(
+            f"{who}: timeout_s: expected a finite number of seconds > 0, got {timeout_s!r}"
+        )
+
+
+def _collect(procs: dict, results, timeout_s: float) -> tuple[dict, list[str]]:
+    """``{rank: value}`` from ``procs`` (``{rank: process}``) and the failures; stops at the first
+    failure (the others may be blocked on it), a worker gone without a word, or ``timeout_s``."""
+    got, errors = {}, []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(procs) and not errors:
+        try:  # short waits: a worker gone without a word (segfault, OOM) is seen at once
+            rank, ok, value = results.get(timeout=min(1.0, timeout_s))
+        except queue.Empty:
+            gone = [r for r, p in procs.items() if r not in got and p.exitcode is not None]
+            if gone and results.empty():  # an exited worker's result is in the pipe by now
+                time.sleep(0.2)
+                if results.empty():
+                    errors += [_gone(r, procs[r].exitcode) for r in gone]
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout_s}s waiting for the workers")
+            continue
+        if ok:
+            got[rank] = value
+        else:
+            errors.append(f"--- rank {rank} ---\n{value}")
+    return got, errors
+
+
 def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (gloo, CPU).
 
@@ -68,6 +105,7 @@ def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int 
 
     Returns: the workers' return values, in rank order.
     """
+    _check("run_gloo", world_size, timeout_s, threads)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -90,24 +128,8 @@ def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int 
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
     got, errors = {}, []
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < world_size and not errors:
-            try:  # short waits: a worker gone without a word (segfault, OOM) is seen at once
-                rank, ok, value = results.get(timeout=min(1.0, timeout_s))
-            except queue.Empty:
-                gone = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
-                if gone and results.empty():  # an exited worker's result is in the pipe by now
-                    time.sleep(0.2)
-                    if results.empty():
-                        errors += [_gone(r, procs[r].exitcode) for r in gone]
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout_s}s waiting for the workers")
-                continue
-            if ok:
-                got[rank] = value
-            else:
-                errors.append(f"--- rank {rank} ---\n{value}")  # the others may be blocked on it
+        got, errors = _collect(dict(enumerate(procs)), results, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
@@ -124,9 +146,11 @@ def gloo_rank0(fn, world_size: int, *args, timeout_s: float = 300.0, threads: in
     """Join a gloo group as rank 0 while ranks ``1..world_size-1`` run ``fn(rank, world, *args)``.
 
     Yields a list that, once the block exits, holds the other ranks' return values in rank order;
-    a helper's exception is raised here as ``RuntimeError``. This process uses ``threads`` torch
-    threads inside the block, like the helpers.
+    a helper's exception (or exit without a result) is raised here as ``RuntimeError``, also
+    when the block fails because of it (chained). This process uses ``threads`` torch threads
+    inside the block, like the helpers.
     """
+    _check("gloo_rank0", world_size, timeout_s, threads)
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [
@@ -142,7 +166,7 @@ def gloo_rank0(fn, world_size: int, *args, timeout_s: float = 300.0, threads: in
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     others: list = []
-    got = []
+    got, errors = {}, []
     try:
         dist.init_process_group(
             "gloo",
@@ -151,15 +175,24 @@ def gloo_rank0(fn, world_size: int, *args, timeout_s: float = 300.0, threads: in
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        yield others
-        got = sorted((results.get(timeout=timeout_s) for _ in procs), key=lambda r: r[0])
+        try:
+            yield others
+        except Exception as e:  # a helper's failure (already reported) may be the cause
+            _, errors = _collect(dict(enumerate(procs, 1)), results, min(timeout_s, 2.0))
+            errors = [x for x in errors if x.startswith("--- rank")]  # not "timed out"
+            if errors:
+                raise RuntimeError("helper rank failed:\n" + "\n".join(errors)) from e
+            raise
+        got, errors = _collect(dict(enumerate(procs, 1)), results, timeout_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         torch.set_num_threads(saved_threads)
         for p in procs:
-            p.join(timeout=30)
-    failed = [f"--- rank {rank} ---\n{v}" for rank, ok, v in got if not ok]
-    if failed:
-        raise RuntimeError("helper rank failed:\n" + "\n".join(failed))
-    others.extend(v for _, _, v in got)
+            p.join(timeout=30 if not errors else 1)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if errors:
+        raise RuntimeError("helper rank failed:\n" + "\n".join(errors))
+    others.extend(got[r] for r in range(1, world_size))
