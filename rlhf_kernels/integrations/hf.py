@@ -286,6 +286,17 @@ def rlhf_attention_forward(
     Returns:
         ``(out, None)`` with out ``(B, S_q, heads, v_head_dim)``.
     """
+    shapes = [tuple(t.shape) for t in (query, key, value)]
+    if (
+        {len(x) for x in shapes} != {4}
+        or shapes[1][0] != shapes[0][0]
+        or shapes[2][:3] != shapes[1][:3]
+    ):
+        raise ValueError(
+            f"query must be (batch, heads, S_q, head_dim), key and value (batch, kv_heads, S_k, "
+            f"head_dim) with the same batch, kv_heads and S_k; got query {shapes[0]}, key "
+            f"{shapes[1]}, value {shapes[2]}"
+        )
     dim, v_dim = query.shape[-1], value.shape[-1]
     if key.shape[-1] != dim:
         raise ValueError(
@@ -377,10 +388,8 @@ def rlhf_attention_forward(
                 "mode; under torch.compile leave it out"
             )
         pos = kwargs.get("position_ids") if causal and s_q == s_k else None
-        if pos is not None and (pos.dim() != 2 or pos.shape[-1] != s_q):
-            raise ValueError(
-                f"position_ids must be (batch, {s_q}) or (1, {s_q}), got shape {tuple(pos.shape)}"
-            )
+        if pos is not None:
+            _check_position_ids(pos, bsz, s_q)
         return _padded_attention(q, k, v, attention_mask, window, common, pos), None
 
     q, k, v = (
@@ -411,10 +420,7 @@ def rlhf_attention_forward(
         )
     elif kwargs.get("position_ids") is not None and s_q == s_k:
         pos = kwargs["position_ids"]
-        if pos.shape[-1] != s_q:
-            raise ValueError(
-                f"position_ids must have {s_q} positions per row, got shape {tuple(pos.shape)}"
-            )
+        _check_position_ids(pos, bsz, s_q)
         rows = bsz if pos.shape[0] != bsz else None  # (1, S) shared by the rows
         if torch.compiler.is_compiling():  # data-dependent: a custom op (rlhf_kernels.ops.compiled)
             from rlhf_kernels.ops.compiled import segments_from_position_ids
@@ -452,6 +458,14 @@ def rlhf_attention_forward(
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
         out = varlen_attention(q, k, v, cu_q, cu_k, s_q, s_k, **common)
     return out.reshape(bsz, s_q, heads, -1), None
+
+
+def _check_position_ids(pos: torch.Tensor, bsz: int, s_q: int) -> None:
+    if pos.dim() != 2 or pos.shape[0] not in (1, bsz) or pos.shape[1] != s_q:
+        raise ValueError(
+            f"position_ids must be ({bsz}, {s_q}) or (1, {s_q}) for batch {bsz}, {s_q} positions "
+            f"per row, got shape {tuple(pos.shape)}"
+        )
 
 
 def _padded_attention(q, k, v, mask, window, common, pos=None) -> torch.Tensor:
@@ -556,6 +570,11 @@ def _padded_layout_uncached(mask, s_q: int, s_k: int, all_queries: bool = False,
     (causal self-attention, ``s_q == s_k``): a sample also starts at each real token whose
     position is not the previous token's + 1 (or, across padding inside the row, not above the
     previous real token's)."""
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):  # not as a weight
+        raise ValueError(
+            f"rlhf_kernels attention takes a bool or 0/1 padding mask (1 = real token), got "
+            f"{mask.dtype} with other values (an additive 0 / -inf mask?)"
+        )
     mask_k = mask[:, -s_k:].bool()
     if all_queries:
         mask_q = torch.ones(mask.shape[0], s_q, dtype=torch.bool, device=mask.device)

@@ -22,7 +22,7 @@ import operator
 
 import torch
 
-from rlhf_kernels._checks import check_mask, is_scalar
+from rlhf_kernels._checks import check_mask, check_same_device, is_scalar
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 
@@ -98,8 +98,11 @@ def whiten(
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask is not None and mask.shape != x.shape:
         raise ValueError(f"mask must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
+    check_same_device(x=x, mask=mask)
     _check_eps(eps)
     if x.dtype in (torch.float16, torch.bfloat16):  # fp16 sums of 65k entries overflow
         return whiten(x.float(), mask, shift_only=shift_only, eps=eps).to(x.dtype)

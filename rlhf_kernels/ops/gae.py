@@ -255,7 +255,17 @@ def _pick_backend(backend: str, x: torch.Tensor) -> str:
         raise ValueError("backend='triton' needs the triton package, which is not installed")
     if backend == "triton" and x.dtype != torch.float32:
         raise ValueError(f"backend='triton' supports float32 only, got {x.dtype}")
+    if backend == "triton":
+        _check_triton_device("x", x)
     return backend
+
+
+def _check_triton_device(name: str, t: torch.Tensor) -> None:
+    if triton is not None and not t.is_cuda and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+            f"imported), got {name} on {t.device}"
+        )
 
 
 # A few long rows (the packed layout is ONE row) would run on one GPU program / thread block:
@@ -371,9 +381,13 @@ def _validate(name_tensors, cu_seqlens, mask, backend):
                 f"backend='triton' scans in float32 (half types are upcast), got {n} float64: "
                 f"use backend 'auto', 'native' or 'torch'"
             )
+        if backend == "triton":
+            _check_triton_device(n, t)
     for n, t in rest:
         if t.shape != t0.shape:
             raise ValueError(f"{n} must have {n0}'s shape {tuple(t0.shape)}, got {tuple(t.shape)}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     check_same_device(**dict(name_tensors), cu_seqlens=cu_seqlens, mask=mask)
     if mask is not None and mask.shape != t0.shape:
         raise ValueError(f"mask must have {n0}'s shape {tuple(t0.shape)}, got {tuple(mask.shape)}")
