@@ -8,6 +8,8 @@ what flash-attn 2.7+'s do, so code written for them runs unchanged; all are diff
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask
@@ -51,6 +53,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int):
     """Packed ``(N, ...)`` + the ``indices`` from :func:`unpad_input` -> ``(batch, seqlen, ...)``
     with zeros at padding."""
+    _check_indices(hidden_states, indices, "hidden_states")  # .long() cast float/bool ones
     if hidden_states.shape[0] != indices.shape[0]:
         raise ValueError(
             f"hidden_states has {hidden_states.shape[0]} tokens but indices {indices.shape[0]}"
@@ -111,6 +114,8 @@ def sequence_to_tokens(
     if not isinstance(values, torch.Tensor) or values.dim() < 1:
         got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
         raise ValueError(f"values must be a tensor (S, ...) with one entry per sequence, got {got}")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, numbers.Integral)):
+        raise TypeError(f"total must be an int (the number of tokens) or None, got {total!r}")
     cu_seqlens = as_cu_seqlens(cu_seqlens, values.device)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a tensor or a list of ints, got {cu_seqlens!r}")
@@ -121,7 +126,7 @@ def sequence_to_tokens(
         )
     if total is None and not cu_seqlens.is_floating_point():
         total = int(cu_seqlens[-1])
-    cu = check_cu_seqlens(cu_seqlens, -1 if total is None else total)
+    cu = check_cu_seqlens(cu_seqlens, -1 if total is None else int(total))
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     lengths = torch.tensor(lengths, dtype=torch.long, device=values.device)
-    return values.repeat_interleave(lengths, dim=0, output_size=total)
+    return values.repeat_interleave(lengths, dim=0, output_size=cu[-1])

@@ -99,7 +99,7 @@ def _token_layout(ref_name, ref, mask, cu_seqlens, aggregation=None, **others):
     if mask is not None and not isinstance(mask, torch.Tensor):  # e.g. a clip given by position
         raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}: {mask!r}")
     cu_seqlens = as_cu_seqlens(cu_seqlens, ref.device)
-    check_same_device(**{ref_name: ref}, mask=mask, **others)
+    check_same_device(**{ref_name: ref}, mask=mask, cu_seqlens=cu_seqlens, **others)
     if mask is not None and mask.shape != ref.shape:
         raise ValueError(
             f"mask must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(mask.shape)}"
@@ -238,8 +238,8 @@ def _check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length=
         if not is_scalar(norm_length):  # numpy numbers and 0-d tensors too, as the clips
             raise TypeError(f"norm_length must be a number > 0 or None, got {norm_length!r}")
         norm_length = float(norm_length)
-        if not norm_length > 0:
-            raise ValueError(f"norm_length must be > 0, got {norm_length}")
+        if not (norm_length > 0 and math.isfinite(norm_length)):  # inf: a zero loss, silently
+            raise ValueError(f"norm_length must be a finite number > 0, got {norm_length}")
     if not (is_scalar(clip_low) and is_scalar(clip_high) and 0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(
             f"need numbers 0 <= clip_low < 1 and clip_high >= 0, got {clip_low!r}, {clip_high!r}"
