@@ -113,10 +113,15 @@ def fused_linear_cross_entropy(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not (is_scalar(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-    if not (is_scalar(lse_square_scale) and lse_square_scale >= 0.0):
-        raise ValueError(f"lse_square_scale must be a number >= 0, got {lse_square_scale!r}")
+    if not (is_scalar(lse_square_scale) and 0.0 <= lse_square_scale < float("inf")):
+        raise ValueError(
+            f"lse_square_scale must be a number >= 0 and finite, got {lse_square_scale!r}"
+        )
     if not isinstance(input, torch.Tensor) or input.dim() < 1:
         raise ValueError(f"input must be a (..., H) tensor, got {type(input).__name__}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be a (V, H) tensor, got {got}")
     if not isinstance(target, torch.Tensor) or target.shape != input.shape[:-1]:
         raise ValueError(
             f"target must have input's leading shape {tuple(input.shape[:-1])}, got "
@@ -278,8 +283,12 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if softcap is not None and not is_real(softcap, positive=True):
-            raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+        if softcap is not None and not (
+            is_real(softcap, positive=True) and softcap <= lse_mod._F32_MAX
+        ):
+            raise ValueError(
+                f"softcap must be None or > 0 and <= {lse_mod._F32_MAX:.4g}, got {softcap!r}"
+            )
         for name, flag in (
             ("return_z_loss", return_z_loss),
             ("use_token_scaling", use_token_scaling),

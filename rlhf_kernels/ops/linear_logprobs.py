@@ -57,7 +57,8 @@ is skipped then).
 
 Labels equal to ``ignore_index`` (default -100) get ``logp = 0`` and no gradient through it; the
 losses leave those tokens out. Other out-of-range labels: ValueError where checked (CPU, or
-``RLHF_KERNELS_DEBUG=1``), a NaN result otherwise.
+``RLHF_KERNELS_DEBUG=1``), a NaN result otherwise. No second derivative (``create_graph=True``
+is a RuntimeError); the soft cap must be at most fp32's maximum (the blocks are fp32).
 """
 
 from __future__ import annotations
@@ -70,7 +71,13 @@ import os
 import torch
 
 from rlhf_kernels._checks import check_mask, device_guard, is_real, is_scalar
-from rlhf_kernels.ops.logprobs import IGNORE_INDEX, check_label_range, fix_masked, mask_labels
+from rlhf_kernels.ops.logprobs import (
+    IGNORE_INDEX,
+    check_label_range,
+    first_order_only,
+    fix_masked,
+    mask_labels,
+)
 
 try:
     import triton
@@ -81,6 +88,7 @@ except ImportError:  # Triton is optional (CUDA fast path only)
 _MIN_BUDGET = 1 << 22
 _MAX_BUDGET = 1 << 27
 _NEG = torch.finfo(torch.float32).min  # stands in for -inf where 0 * -inf would give NaN
+_F32_MAX = torch.finfo(torch.float32).max  # largest soft cap (the logit blocks are fp32)
 # Label range check: a host sync per call. Always on CPU; on CUDA only with RLHF_KERNELS_DEBUG=1.
 CHECK_LABELS_ON_CUDA = os.environ.get("RLHF_KERNELS_DEBUG", "0") == "1"
 
@@ -210,7 +218,8 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             live = m > float("-inf")
             scale = tl.where(live, tl.exp(m - m_safe), 0.0)
-            d = tl.maximum(u - m_safe, -3.0e38)  # e * d = 0 (not NaN) where e = 0
+            d = u - m_safe  # floored: e * d = 0 where e = 0; NaN stays (tl.maximum drops it)
+            d = tl.where(d < -3.0e38, -3.0e38, d)
             e = tl.exp(d)
             if WANT_ENT:
                 shift = tl.where(live, m - m_safe, 0.0)
@@ -252,7 +261,8 @@ if triton is not None:
         for c0 in range(0, nv, BLOCK):
             idx = c0 + cols
             ok = idx < nv
-            lp = tl.maximum((tl.load(src + idx, mask=ok, other=0.0) - m) - log_s, -3.0e38)
+            lp = (tl.load(src + idx, mask=ok, other=0.0) - m) - log_s
+            lp = tl.where(lp < -3.0e38, -3.0e38, lp)  # floored; NaN stays (tl.maximum drops it)
             p = tl.exp(lp)
             g = tl.where(idx == lab, hit, 0.0) - p * gp
             if HAS_ENT:
@@ -476,6 +486,7 @@ class _LinearLogProbs(torch.autograd.Function):
         return logp, ent, aux
 
     @staticmethod
+    @first_order_only
     def backward(ctx, g_lp, g_ent, g_aux=None):
         h, w, b, labels, stats, ent, a = ctx.saved_tensors
         inv_tau, tc, vc, cap = ctx.cfg
@@ -517,6 +528,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order_only  # the gradients were made in the forward: no second derivative
     def backward(ctx, g):
         grads, ctx.grads = ctx.grads, None
         if grads is None:
@@ -752,8 +764,11 @@ def _check(
         raise ValueError(f"hidden, weight, labels, bias must share a device, got {devices}")
     if not is_real(temperature, positive=True):
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if softcap is not None and not is_real(softcap, positive=True):
-        raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
+    if softcap is not None and not (is_real(softcap, positive=True) and softcap <= _F32_MAX):
+        # fp32 logit blocks: a larger cap (inf included) made every logit NaN
+        raise ValueError(
+            f"softcap must be None or a number in (0, {_F32_MAX:.4g}], got {softcap!r}"
+        )
     for name, c in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {c!r}")
@@ -912,10 +927,14 @@ def linear_nll_loss(
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
     if not (is_scalar(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a tensor, got {type(mask).__name__}")
     if mask is not None and mask.shape != labels.shape:
         raise ValueError(
             f"mask must have labels' shape {tuple(labels.shape)}, got {tuple(mask.shape)}"
         )
+    if mask is not None and mask.device != labels.device:
+        raise ValueError(f"mask is on {mask.device}, labels on {labels.device}")
     mask = check_mask(mask)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     T, V = hidden.shape[0], weight.shape[0]

@@ -23,11 +23,13 @@ Labels equal to ``ignore_index`` (default -100, what collators and ``RingPlan`` 
 positions with no target) get ``logp = 0`` and pass no gradient through ``logp``, on every
 backend; their entropy is still computed (it does not depend on the label). Any other label
 outside ``[0, V)`` is a ValueError where the check runs (CPU, or ``RLHF_KERNELS_DEBUG=1``) and a
-NaN log-prob otherwise (the kernels never read outside the row).
+NaN log-prob otherwise (the kernels never read outside the row). A NaN logit gives a NaN row
+on every backend. There is no second derivative: ``create_graph=True`` is a RuntimeError.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -185,7 +187,8 @@ if triton is not None:
             live = m > float("-inf")
             scale = tl.where(live, tl.exp(m - m_safe), 0.0)
             shift = tl.where(live, m - m_safe, 0.0)  # re-base t from m to m_new
-            d = tl.maximum(u - m_safe, -3.0e38)  # finite, so e * d = 0 (not NaN) where e = 0
+            d = u - m_safe  # floored, so e * d = 0 (not NaN) where e = 0; a NaN logit stays NaN
+            d = tl.where(d < -3.0e38, -3.0e38, d)  # (tl.maximum would drop it: p = 0)
             e = tl.exp(d)
             t = scale * (t + shift * s) + tl.sum(e * d, axis=0)
             s = s * scale + tl.sum(e, axis=0)
@@ -232,7 +235,8 @@ if triton is not None:
             idx = start + cols
             ok = idx < V
             u = tl.load(z_row + idx, mask=ok, other=0.0).to(tl.float32) * inv_tau
-            logp = tl.maximum((u - m) - log_s, -3.0e38)  # finite: p * logp = 0 where p = 0
+            logp = (u - m) - log_s  # floored: p * logp = 0 where p = 0 (NaN stays NaN)
+            logp = tl.where(logp < -3.0e38, -3.0e38, logp)
             p = tl.exp(logp)
             g = tl.where(idx == label, g_lp, 0.0) - p * g_lp
             if HAS_ENT:
@@ -268,6 +272,24 @@ def _backward_triton(z, labels, tau, stats, ent, g_logp, g_ent):
 
 
 # ----------------------------------------------------------------------------- autograd
+def first_order_only(backward):
+    """An ``autograd.Function.backward`` that refuses ``create_graph=True`` (a second derivative)
+    with a clear error before any work: these gradients are made without a graph (the torch
+    backend's ``out=`` passes failed with an unclear error, the others gave gradients with no
+    graph, so a penalty on them silently contributed nothing)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # the engine runs backward in grad mode only for create_graph
+            raise RuntimeError(
+                "rlhf_kernels' log-prob ops have no second derivative: backward (or "
+                "torch.autograd.grad) with create_graph=True is not supported"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, labels, tau, want_entropy, backend):
@@ -279,6 +301,7 @@ class _LogProbs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
+    @first_order_only
     def backward(ctx, g_logp, g_ent):
         z, labels, mx, log_s, ent = ctx.saved_tensors
         if g_logp is None:
