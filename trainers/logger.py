@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import secrets
 from typing import Any
@@ -54,6 +55,17 @@ def _number(key: str, value: Any) -> int | float:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"metric {key!r}: expected a number, got {value!r}")
+    return value
+
+
+def _step(step: Any) -> int:
+    """``step`` as an int: an optimizer step count (Python, numpy or integer-tensor int >= 0)."""
+    try:
+        value = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        value = None
+    if value is None or value < 0:
+        raise ValueError(f"step: expected an integer >= 0, got {step!r}")
     return value
 
 
@@ -148,7 +160,7 @@ class MetricsLogger:
         """Open the outputs as the first ``log`` at ``step`` would (a resumed file is truncated
         at ``step``), also when no step is left to log (a resume from the last checkpoint)."""
         if self.enabled and not self._closed and not self._started:
-            self._open(int(step))
+            self._open(_step(step))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record ``metrics`` (numbers, numpy or one-element tensors) at optimizer ``step``."""
@@ -158,7 +170,10 @@ class MetricsLogger:
             raise RuntimeError("MetricsLogger.log() called after close()")
         if "step" in metrics:
             raise ValueError("metrics: the key 'step' is reserved; pass it as step=")
-        step = int(step)
+        for k in metrics:
+            if not isinstance(k, str):
+                raise TypeError(f"metrics: expected str keys, got {k!r}")
+        step = _step(step)
         values = {k: _number(k, v) for k, v in metrics.items()}
         if not self._started:
             self._open(step)

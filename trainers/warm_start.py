@@ -150,6 +150,8 @@ def ensure_warm_start(
     into a temporary sibling folder, renamed into place, so nobody sees a partial model.
     ``steps``: SFT steps of a new build (a folder that exists is used as it is).
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected an int >= 1 (SFT steps of a build), got {steps!r}")
     dst = Path(path).expanduser() if path is not None else default_path()
     if is_complete(dst):
         return str(dst)
