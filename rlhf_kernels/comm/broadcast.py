@@ -64,7 +64,7 @@ def _common_error(name: str, world: int, src, max_chunk_bytes, timeout) -> Excep
             f"got {max_chunk_bytes!r}"
         )
     if not _timeout_ok(timeout):
-        return ValueError(f"{name}: timeout must be None or seconds > 0, got {timeout!r}")
+        return ValueError(f"{name}: timeout must be None or seconds > 0 (finite), got {timeout!r}")
     return None
 
 
@@ -103,9 +103,17 @@ def _keys_error(name: str, token_keys, layout) -> tuple[Any, Exception | None]:
 
 
 def _timeout_ok(timeout) -> bool:
+    """None, or finite seconds > 0 that a ``timedelta`` holds (inf would raise OverflowError
+    later, on the first ``next()`` of that rank alone, leaving the others waiting)."""
     if timeout is None:
         return True
-    return is_real(timeout, positive=True)
+    if not is_real(timeout, finite=True, positive=True):
+        return False
+    try:
+        timedelta(seconds=timeout)
+    except OverflowError:
+        return False
+    return True
 
 
 def _refuse(name: str, error: Exception, fields: dict, group, timeout) -> None:

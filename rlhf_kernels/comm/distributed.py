@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _wire
-from .broadcast import _timeout_ok, broadcast_chunked, scatter_for_ring
+from .broadcast import _common_error, _keys_error, _timeout_ok, broadcast_chunked, scatter_for_ring
 
 
 def local_share(items: Sequence, rank: int, world_size: int) -> Sequence:
@@ -61,8 +61,9 @@ def distributed_rollouts(
 
     Raises:
         RuntimeError on every rank if ``generate`` raised on any rank, or a rank was given a bad
-        ``timeout`` (the message names the failing ranks and their errors; the failing rank
-        chains its original exception), or when ``timeout`` passes; ValueError on every rank if
+        ``timeout``, ``max_chunk_bytes``, ``token_keys`` or ``layout`` (checked before
+        ``generate`` runs; the message names the failing ranks and their errors; the failing
+        rank chains its original exception), or when ``timeout`` passes; ValueError on every rank if
         the ranks were given different numbers of prompts; what the streams raise.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -71,6 +72,12 @@ def distributed_rollouts(
         if not _timeout_ok(timeout):
             bad, timeout = timeout, None  # this rank's exchange waits as long as the group's
             raise ValueError(f"timeout must be a number of seconds > 0 or None, got {bad!r}")
+        # the streams' own arguments: refused before generate runs, not after all that work
+        bad = _common_error("distributed_rollouts", world, 0, max_chunk_bytes, None)
+        if token_keys is not None:
+            bad = bad or _keys_error("distributed_rollouts", token_keys, layout)[1]
+        if bad is not None:
+            raise bad
         n_prompts = len(prompts)  # an iterator raises here: in the try, so every rank hears
         mine = list(generate(local_share(prompts, rank, world)))
     except Exception as exc:  # every rank must hear of it, or the others wait forever

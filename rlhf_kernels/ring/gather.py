@@ -91,7 +91,8 @@ def gather_from_ring(
     the others. Split per document with ``plan.cu_seqlens``.
     """
     rank = _check_gather(local, plan, group, dst)
-    local = local.detach().contiguous()
+    # a conjugate (or negative) view's bytes are not its values: gloo's complex path refused it
+    local = local.detach().resolve_conj().resolve_neg().contiguous()
     if plan.world_size == 1:  # a ring of one (no process group needed, as for the attention)
         return plan.unshard([local])
     if dst is None:
@@ -139,6 +140,8 @@ def ring_token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> tor
                 f"values and mask must be tensors, got {type(values).__name__} and "
                 f"{type(mask).__name__}"
             )
+        if not values.is_floating_point():  # an int or bool mean would be truncated silently
+            raise TypeError(f"values must be a floating tensor, got {values.dtype}")
         try:
             fits = torch.broadcast_shapes(mask.shape, values.shape) == values.shape
         except RuntimeError:

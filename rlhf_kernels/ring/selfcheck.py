@@ -80,6 +80,8 @@ def check(
     """
     if iters < 1:  # the median of no timed step
         raise ValueError(f"iters must be >= 1, got {iters}")
+    if total < 1:  # (randperm would name a "negative dimension")
+        raise ValueError(f"total must be >= 1 token, got {total}")
     group, ring_index = ring_group(ring_size)
     rank, _ = group_rank(group)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -181,13 +183,15 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-reference", action="store_true")
     args = p.parse_args(argv)
+    if args.ring_size is not None and args.ring_size < 1:  # 0 is not "the whole world"
+        p.error(f"--ring-size must be >= 1, got {args.ring_size}")
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
         res = check(
-            args.ring_size or dist.get_world_size(),
+            dist.get_world_size() if args.ring_size is None else args.ring_size,
             args.total,
             args.heads,
             args.kv_heads,

@@ -168,7 +168,8 @@ def validate_ring_call(
     """Raise the same error on every rank of the group (one tiny all_gather), before any ring
     traffic, so a bad input on one rank cannot leave the others waiting.
 
-    A call that passed is remembered on the plan (keyed by group, shapes, dtype and options), so
+    A call that passed is remembered on the plan (keyed by group, shapes, dtypes, devices and
+    options), so
     the next layers and micro-batches with the same plan skip the all_gather and its host sync.
     Ranks of a group hold the same plan and shapes, so they skip together. Limitation: once a
     plan has passed, a rank whose arguments alone change is not checked on the other ranks (they
@@ -184,7 +185,8 @@ def validate_ring_call(
     try:  # unhashable or malformed options: no key, the checks below name the problem
         tensors = tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype
         options = bool(causal), tuple(window_size), softcap, comm, kv_head_stride, tile
-        key = ("validated", group, world, tensors + (q.device,), options + (softmax_scale,))
+        devices = q.device, k.device, v.device
+        key = ("validated", group, world, tensors + devices, options + (softmax_scale,))
         if key in plan._cache:
             return
     except (TypeError, AttributeError):
