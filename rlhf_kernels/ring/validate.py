@@ -169,8 +169,8 @@ def validate_ring_call(
     traffic, so a bad input on one rank cannot leave the others waiting.
 
     A call that passed is remembered on the plan (keyed by group, shapes, dtypes, devices and
-    options), so
-    the next layers and micro-batches with the same plan skip the all_gather and its host sync.
+    options), so the next layers and micro-batches with the same plan skip the all_gather and its
+    host sync.
     Ranks of a group hold the same plan and shapes, so they skip together. Limitation: once a
     plan has passed, a rank whose arguments alone change is not checked on the other ranks (they
     skip); it raises its local error at once rather than entering the check alone, and the
