@@ -54,10 +54,11 @@ METHODS = ("kernel", "torch", "autotuned", "all_heads", "varlen_attn")
 def _picks(total, dim):
     """The blocks autotuning kept for this pack size and head dim, per kernel."""
     size, block_d = triton.next_power_of_2(total), vt._block_d(dim)
+    # cache key: (kernel name, device, dtype, requested blocks, constexprs, pack size)
     return {
-        key[0]: list(blocks)
-        for key, blocks in vt._FITTING_BLOCKS.items()
-        if key[-1] == size and dict(key[3]).get("BLOCK_D") == block_d
+        name: list(blocks)
+        for (name, *_, meta, key_size), blocks in vt._FITTING_BLOCKS.items()
+        if key_size == size and dict(meta).get("BLOCK_D") == block_d
     }
 
 
@@ -139,6 +140,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attn_host.py needs a CUDA device")
+    try:  # before the timings: the file is written once, at the end
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out-dir {str(args.out_dir)!r}: {e.strerror}")
 
     args_given = sys.argv[1:] if argv is None else argv
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -154,7 +159,6 @@ def main(argv=None):
     for total in args.totals:
         for dim in args.dims:
             report["rows"].extend(_rows(total, dim, args.calls, args.methods))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
     path = args.out_dir / f"attn-host-{slug}-{now:%Y-%m-%d-%H%M%S}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")

@@ -29,6 +29,8 @@ def main(argv=None):
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--out", type=Path, default=None, help="write every row to this JSON file")
     args = ap.parse_args(argv)
+    if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
+        ap.error(f"--out {str(args.out)!r}: not a file in an existing folder")  # before the sweep
     if not torch.cuda.is_available():
         sys.exit("attn_sweep.py needs a CUDA device")
     out = []

@@ -481,6 +481,10 @@ def write_markdown(report, path):
         f"torch {m['torch']} (CUDA {m['cuda']}), triton {m['triton']}, Python {m['python']}, "
         f"commit {m['rlhf_kernels_commit']}. bf16; median of CUDA-event timings.",
         "",
+        f"Native extension {m.get('native_ext')} (CUDA GAE {m.get('native_cuda_gae')}); "
+        f"versions {json.dumps(m.get('versions'))}; started {report.get('started')}, budget "
+        f"{report.get('budget_s')} s; seconds per part {json.dumps(report.get('part_s', {}))}.",
+        "",
     ]
     att = [r for r in report.get("attention", []) if "error" not in r]
     failed = [r for rows in report.values() if isinstance(rows, list) for r in rows if "error" in r]
@@ -519,11 +523,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument(
-        "--only", nargs="*", default=list(PARTS), choices=list(PARTS), help="parts, in order"
+        "--only", nargs="+", default=list(PARTS), choices=list(PARTS), help="parts, in order"
     )
     ap.add_argument(
         "--budget-s",
-        type=float,
+        type=_seconds,
         default=None,
         help="start no new row after this many seconds (rows so far are kept); "
         "$GPU_CHECK_DEADLINE (a Unix time, set by make gpu-check) caps it",
@@ -533,6 +537,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("gpu_check needs CUDA", file=sys.stderr)
         return 2
+    try:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name: a usage error, not a traceback
+        ap.error(f"--out-dir {str(args.out_dir)!r}: {e.strerror}")
     now = datetime.datetime.now(datetime.timezone.utc)
     report = dict(
         date=now.date().isoformat(),
@@ -551,7 +559,6 @@ def main(argv=None):
         if not Path(f"{stem}.json").exists():
             break
         stem = stem.with_name(f"{stem.name.rsplit('~', 1)[0]}~{n}")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report["unfinished"] = list(args.only)
     budget = args.budget_s
     if os.environ.get("GPU_CHECK_DEADLINE"):  # make gpu-check's deadline for the whole target
@@ -588,6 +595,18 @@ def main(argv=None):
     return 1 if failed or report["unfinished"] else 0
 
 
+def _seconds(text: str) -> float:
+    """``--budget-s``: finite and >= 0 (inf and NaN raised from ``round`` once the output folder
+    was made; a negative budget started nothing and only said so in the exit status)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def _mismatch(rel_errors) -> bool:
     return not all(e <= MISMATCH_REL for e in rel_errors)  # NaN and inf are mismatches too
 
@@ -601,10 +620,12 @@ def _fails(row) -> bool:
 
 
 def _save(report, stem):
+    """Both files through a temporary one: a failed write keeps the previous rows on disk."""
     tmp = Path(f"{stem}.json.tmp")
     tmp.write_text(json.dumps(report, indent=1) + "\n")
     os.replace(tmp, f"{stem}.json")
-    write_markdown(report, Path(f"{stem}.md"))
+    write_markdown(report, Path(f"{stem}.md.tmp"))
+    os.replace(f"{stem}.md.tmp", f"{stem}.md")
 
 
 PARTS = dict(
