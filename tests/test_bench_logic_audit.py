@@ -4,6 +4,7 @@ mismatch, budget, exit status, result files) and ``bench/attn_host.py`` (autotun
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -329,3 +330,29 @@ def test_attention_rows_tflops_errors_and_env(monkeypatch):
     )
     assert seen_env == dict(ours=None, auto="1", near=None, far=None, dq_off=None)
     assert "RLHF_KERNELS_AUTOTUNE" not in gpu_check.os.environ
+
+
+def test_make_gpu_check_caps_the_tests_by_the_time_left(tmp_path):
+    # the tests' timeout was a flat GPU_TEST_SECONDS: a slow build pushed the target past
+    # GPU_SECONDS. A fake python (slow build) and a `timeout` that records its duration.
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "fakepy").write_text('#!/bin/sh\n[ "$1" = setup.py ] && sleep 3\nexit 0\n')
+    (bin_ / "timeout").write_text(f'#!/bin/sh\necho "$5" > {tmp_path}/tests_s\nexit 0\n')
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}")
+    args = [f"GPU_PY={bin_ / 'fakepy'}", f"GPU_OUT={tmp_path / 'out'}", "GPU_TEST_SECONDS=100"]
+    subprocess.run(
+        ["make", "-s", "gpu-check", "GPU_SECONDS=2", *args], cwd=ROOT, env=env, check=True
+    )
+    assert (tmp_path / "tests_s").read_text().split() == ["1"]
+    subprocess.run(
+        ["make", "-s", "gpu-check", "GPU_SECONDS=600", *args], cwd=ROOT, env=env, check=True
+    )
+    assert (tmp_path / "tests_s").read_text().split() == ["100"]
