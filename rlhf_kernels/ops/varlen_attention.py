@@ -275,8 +275,9 @@ def _window_pair(window_size) -> tuple[int, int]:
 
 
 def window_side(w: int) -> int:
-    """A window side past any int32 ``cu_seqlens`` position is unbounded, -1 (and fits int64)."""
-    return -1 if w >= 2**31 else w
+    """A negative side, or one past any int32 ``cu_seqlens`` position, is unbounded: -1 (so it
+    fits the int32/int64 arguments of flash-attn and the traced op)."""
+    return -1 if w < 0 or w >= 2**31 else w
 
 
 def scalar_problem(softmax_scale, causal, softcap, dtype: torch.dtype) -> str:
@@ -296,10 +297,12 @@ def scalar_problem(softmax_scale, causal, softcap, dtype: torch.dtype) -> str:
 
 def as_max_seqlen(name: str, given) -> int | None:
     """``max_seqlen_q/k`` as given: an int (numpy int, 0-d integer tensor) or None; 3.5 is a
-    TypeError, not 3 (the eager checks and the traced path share it)."""
+    TypeError, not 3, and a bool is no length (the eager checks and the traced path share it)."""
     if given is None:
         return None
     try:
+        if isinstance(given, (bool, np.bool_)) or getattr(given, "dtype", None) == torch.bool:
+            raise TypeError
         return operator.index(given)
     except TypeError:
         raise TypeError(
@@ -462,7 +465,8 @@ def varlen_attention(
         out ``(total_q, heads, head_dim)`` in q's dtype, or ``(out, lse)``. Differentiable in
         q, k, v through ``out`` and the lse (so partial results merged by their lse get exact
         gradients) on the torch and triton backends; flash-attn drops the lse's gradient, so on
-        the ``flash_attn`` backend a backward through the lse raises instead.
+        the ``flash_attn`` backend a backward through the lse raises instead. ``triton``'s
+        gradients are not differentiable again: a double backward through them raises.
     """
     softcap = 0.0 if softcap is None else softcap  # None: off (as transformers passes it)
     problem = scalar_problem(

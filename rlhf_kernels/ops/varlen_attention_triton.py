@@ -810,8 +810,25 @@ def _dot_meta(dtype: torch.dtype) -> dict:
     return dict(DOT_PREC="ieee" if exact or f32 else "tf32", DOT_F32=f32)
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on a gradient of the backward kernels (which are not differentiable), tied to the
+    tensors it depends on: differentiating it again raises instead of silently missing terms."""
+
+    @staticmethod
+    def forward(ctx, grad, *depends_on):
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "varlen_attention(backend='triton') is differentiable once: its gradients have no "
+            "gradient of their own (double backward); use backend='torch' for that"
+        )
+
+
 class VarlenAttentionTriton(torch.autograd.Function):
-    """Autograd wrapper: differentiable in q, k, v through ``out`` and ``lse``."""
+    """Autograd wrapper: differentiable in q, k, v through ``out`` and ``lse``, once (a double
+    backward through its gradients raises, see :class:`_NoDoubleBackward`)."""
 
     @staticmethod
     def forward(
@@ -872,6 +889,10 @@ class VarlenAttentionTriton(torch.autograd.Function):
                 dlse=dlse,
                 q_schedules=ctx.q_schedules,
             )
+        if torch.is_grad_enabled():  # create_graph=True: keep the graph, failing if it is used
+            given = [t for t in (q, k, v, dout, dlse) if t is not None and t.requires_grad]
+            if given:
+                dq, dk, dv = (_NoDoubleBackward.apply(g, *given) for g in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
