@@ -49,6 +49,24 @@ def test_triton_double_backward_raises_instead_of_dropping_its_terms():
     torch.testing.assert_close(hw, want, rtol=1e-4, atol=1e-4)
 
 
+def test_ring_double_backward_raises_instead_of_dropping_its_terms():
+    """Ring attention's backward (block kernels, collectives) is not differentiable either: with
+    create_graph=True its gradients were silently wrong in second order (a partial graph through
+    the torch tiles)."""
+    from rlhf_kernels.ring.attention import ring_varlen_attention
+    from rlhf_kernels.ring.plan import RingPlan
+
+    plan = RingPlan.build(_cu([3, 4]), 1)
+    q, k, v = _leaves([3, 4], [3, 4])
+    out = ring_varlen_attention(q, k, v, plan)
+    (gq,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="ring_varlen_attention is differentiable once"):
+        torch.autograd.grad((gq**2).sum(), q)
+    ref = ring_varlen_attention(q, k, v, plan)  # first order unchanged by create_graph
+    (g1,) = torch.autograd.grad((ref**2).sum(), q)
+    torch.testing.assert_close(gq.detach(), g1)
+
+
 # ----------------------------------------------------------------------------- option types
 @pytest.mark.parametrize("flag", [True, np.bool_(True), torch.tensor(True)])
 def test_max_seqlen_bool_is_refused(flag):

@@ -55,6 +55,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from rlhf_kernels._checks import device_guard
+from rlhf_kernels.ops._once import once_differentiable_grads
 from rlhf_kernels.ops.attention_schedule import _cdiv
 from rlhf_kernels.ops.attention_schedule import schedule as _schedule
 from rlhf_kernels.ops.attention_schedule import schedule_slots as _schedule_slots
@@ -810,25 +811,9 @@ def _dot_meta(dtype: torch.dtype) -> dict:
     return dict(DOT_PREC="ieee" if exact or f32 else "tf32", DOT_F32=f32)
 
 
-class _NoDoubleBackward(torch.autograd.Function):
-    """Identity on a gradient of the backward kernels (which are not differentiable), tied to the
-    tensors it depends on: differentiating it again raises instead of silently missing terms."""
-
-    @staticmethod
-    def forward(ctx, grad, *depends_on):
-        return grad.clone()
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "varlen_attention(backend='triton') is differentiable once: its gradients have no "
-            "gradient of their own (double backward); use backend='torch' for that"
-        )
-
-
 class VarlenAttentionTriton(torch.autograd.Function):
     """Autograd wrapper: differentiable in q, k, v through ``out`` and ``lse``, once (a double
-    backward through its gradients raises, see :class:`_NoDoubleBackward`)."""
+    backward through its gradients raises, see :mod:`rlhf_kernels.ops._once`)."""
 
     @staticmethod
     def forward(
@@ -889,10 +874,9 @@ class VarlenAttentionTriton(torch.autograd.Function):
                 dlse=dlse,
                 q_schedules=ctx.q_schedules,
             )
-        if torch.is_grad_enabled():  # create_graph=True: keep the graph, failing if it is used
-            given = [t for t in (q, k, v, dout, dlse) if t is not None and t.requires_grad]
-            if given:
-                dq, dk, dv = (_NoDoubleBackward.apply(g, *given) for g in (dq, dk, dv))
+        dq, dk, dv = once_differentiable_grads(  # create_graph=True: a 2nd backward raises
+            "varlen_attention(backend='triton')", (dq, dk, dv), (q, k, v, dout, dlse)
+        )
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -30,6 +30,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from rlhf_kernels.ops._once import once_differentiable_grads
 from rlhf_kernels.ops.varlen_attention import fold_lse_grad, window_side
 from rlhf_kernels.ring.blocks import (
     backward_block,
@@ -241,8 +242,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = _ring_backward(ctx.spec, q, k, v, out, lse, dout, dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        with torch.no_grad():  # (create_graph=True: no partial graph through the ring's blocks)
+            dq, dk, dv = _ring_backward(ctx.spec, q, k, v, out, lse, dout, dlse)
+        grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        grads = once_differentiable_grads("ring_varlen_attention", grads, (q, k, v, dout, dlse))
+        return *grads, None
 
 
 def _use_triton(q: torch.Tensor, asked: bool | None) -> bool:
