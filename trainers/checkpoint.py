@@ -57,8 +57,12 @@ def read_state(path: Path) -> dict:
         state = json.loads(file.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"--resume: {file} is unreadable ({e}): {_DELETE_IT}") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise ValueError(f"--resume: {file} has no integer 'step': {_DELETE_IT}")
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:  # true is no step
+        raise ValueError(f"--resume: {file} has no integer 'step' >= 0: {_DELETE_IT}")
+    for key in ("layout", "data"):  # what check_layout / check_data compare
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            raise ValueError(f"--resume: {file} has a {key!r} that is no mapping: {_DELETE_IT}")
     return state
 
 

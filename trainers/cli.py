@@ -16,9 +16,9 @@ type (PyYAML reads ``1e-4`` as a string; it becomes a float); ``null`` only for 
 whose flags also take ``none`` (so a flag can unset a YAML value).
 
 Errors exit with status 2 and one line ``prog: error: ...``: a bad flag value or choice
-(argparse), an unknown YAML key (the valid ones are listed), a YAML value of the wrong type
-(key, expected type and given value are named), and the ``ValueError`` of the config's
-optional ``validate()`` method, called on the resolved config. ``validate()`` can ask
+(argparse), an unknown YAML key (the valid ones are listed) or one given twice, a YAML value
+of the wrong type (key, expected type and given value are named), and the ``ValueError`` of the
+config's optional ``validate()`` method, called on the resolved config. ``validate()`` can ask
 ``is_set(cfg, name)`` whether a field was set: given as a flag (even at its default value) or
 away from its default (YAML values at the default do not count: a YAML file may be a full dump
 such as a run's ``config.json``).
@@ -180,11 +180,29 @@ def _convert(key: str, value: Any, tp: type, nullable: bool, choices: Any) -> An
     return value
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: list = []
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<': keys that a mapping overrides
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.append(key)
+        return super().construct_mapping(node, deep)
+
+
 def _load_yaml(path: str, fields: dict) -> dict[str, Any]:
     """Read ``--config``; ValueError for an unreadable file, unknown keys or bad values."""
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=_UniqueKeys)  # yaml.safe_load, refusing twice-given keys
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"--config {path}: {e}".replace("\n", " ")) from None
     if data is None:

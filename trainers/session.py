@@ -28,6 +28,7 @@ from trainers.checkpoint import (
     check_layout,
     latest_checkpoint,
     load_checkpoint,
+    read_state,
     save_checkpoint,
 )
 from trainers.distributed import Layout, all_ranks_ok, init_distributed, peak_memory_mb
@@ -221,7 +222,11 @@ class Session:
             resume=cfg.resume,
         )
         if cfg.overwrite:  # after the logger opened: a logger that fails keeps them
-            common.clear_checkpoints(cfg.output_dir, self.layout)
+            try:
+                common.clear_checkpoints(cfg.output_dir, self.layout)
+            except ValueError as e:  # every rank hears: one error line, no traceback
+                self.logger.close()
+                common.fail(str(e))
         if self.layout.is_main:
             Path(cfg.output_dir, "config.json").write_text(
                 json.dumps(config_to_dict(cfg), indent=1)
@@ -318,7 +323,7 @@ class Session:
                 ids = data.render_prompt(
                     self.tokenizer, text, cfg.input_template, cfg.apply_chat_template
                 )
-                where = f"prompt row {i} (0-based) of the {what}, {text[:40]!r},"
+                where = f"prompt row {i} (0-based) of the {what}, {str(text)[:40]!r},"
                 if not ids:  # generation needs at least one token to condition on
                     raise ValueError(f"{where} has no tokens (an empty prompt)")
                 if len(ids) > cfg.max_len:
@@ -516,6 +521,17 @@ class Session:
         from trainers.engine import build_engine, resync_cpu_adam
 
         ckpt = latest_checkpoint(self.cfg.output_dir) if self.cfg.resume else None  # (checked)
+        if ckpt is not None:  # before the engine is built and loaded: no work for a bad resume
+            try:
+                done = read_state(ckpt)["step"]
+            except ValueError as e:
+                common.fail(str(e))
+            if done > self.total:
+                common.fail(
+                    f"--resume: {ckpt} is at step {done}, past this run's {self.total} "
+                    f"steps: raise --max-steps (without it, --epochs) to continue it, or "
+                    f"start a new run"
+                )
         engine = build_engine(
             module, self.cfg, self.layout, self.optimizer_steps, check_tp_inputs=check_tp_inputs
         )
@@ -530,12 +546,6 @@ class Session:
                 except ValueError as e:
                     common.fail(str(e))
                 resync_cpu_adam(engine)
-                if start > self.total:
-                    common.fail(
-                        f"--resume: {ckpt} is at step {start}, past this run's {self.total} "
-                        f"steps: raise --max-steps (without it, --epochs) to continue it, or "
-                        f"start a new run"
-                    )
                 apply_optimizer_flags(engine, self.cfg.lr, self.cfg.weight_decay)
                 self.print(f"resumed from {ckpt} (step {start})")
         return engine, start
