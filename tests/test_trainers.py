@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_kernels.ring.spawn import free_port
-
 pytest.importorskip("deepspeed")
 pytest.importorskip("datasets")
 
@@ -42,17 +40,16 @@ SHORT = [
 
 
 def command(module: str, args: list[str], nproc: int, out: Path | None) -> list[str]:
-    """``python -m trainers.<module> ...``, or torchrun with ``nproc`` ranks on a free port."""
+    """``python -m trainers.<module> ...``, or torchrun with ``nproc`` ranks (standalone)."""
     cmd = [sys.executable, "-m", f"trainers.{module}", *args]
     if nproc > 1:
         cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",  # its store on a port the OS picks: no race between parallel runs
             "--nproc-per-node",
             str(nproc),
-            "--master-port",
-            str(free_port()),
             "-m",
             f"trainers.{module}",
             *args,

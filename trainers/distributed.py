@@ -65,10 +65,12 @@ def check_sizes(world: int, ring: int, tp: int) -> None:
 def init_distributed(ring: int, tp: int, timeout_s: int = 600) -> Layout:
     """Join (or create) the default process group and build the ring groups.
 
-    Without torchrun's environment this is a world of one on a free local port. Sizes are
+    Without torchrun's environment this is a world of one on an in-process store (no port to
+    race other processes for; the env variables are still set for DeepSpeed). Sizes are
     checked before the group exists, so a bad ``--ring-attn-size`` fails within seconds.
     """
-    if "RANK" not in os.environ:
+    alone = "RANK" not in os.environ
+    if alone:
         from rlhf_kernels.ring.spawn import free_port
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -82,7 +84,9 @@ def init_distributed(ring: int, tp: int, timeout_s: int = 600) -> Layout:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # a world of one: a TCP store on a port picked earlier could be taken meanwhile
+        alone_kw = dict(store=dist.HashStore(), rank=0, world_size=1) if alone else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **alone_kw)
     rank = dist.get_rank()
     layout = Layout(world, rank, world // (ring * tp), ring, tp, device)
     if ring > 1:  # every rank creates every group, in the same order
