@@ -258,8 +258,8 @@ at::Tensor fused_returns_cpu(const at::Tensor& rewards, const c10::optional<at::
 // ------------------------------------------------------------------------------ backward
 // Adjoint of the forward pass, forward in time over one sequence [lo, hi):
 //   gx[t] = ga[t] + gr[t] + c * gx[t - 1]                (gx[lo - 1] = 0)
-//   d rewards[t] = gx[t] * m[t]
-//   d values[t]  = (gr[t] - gx[t] + gamma * gx[t - 1]) * m[t]
+//   d rewards[t] = m[t] ? gx[t] : 0
+//   d values[t]  = m[t] ? gr[t] - gx[t] + gamma * gx[t - 1] : 0
 // ga / gr may be null (zero gradient); without values gr is null and dv unused.
 template <bool kValues, typename scalar_t, typename mask_t>
 void backward_segment(const scalar_t* __restrict__ ga, const scalar_t* __restrict__ gr,
@@ -272,10 +272,11 @@ void backward_segment(const scalar_t* __restrict__ ga, const scalar_t* __restric
     const acc_t gat = ga ? static_cast<acc_t>(ga[t]) : acc_t(0);
     const acc_t grt = (kValues && gr) ? static_cast<acc_t>(gr[t]) : acc_t(0);
     const acc_t gx = c == acc_t(0) ? gat + grt : (gat + grt) + c * prev;
-    const acc_t mt = mask_at<mask_t, acc_t>(m, t);
     if constexpr (kHasMask<mask_t>) {
-      dr[t] = static_cast<scalar_t>(gx * mt);
-      if (kValues) dv[t] = static_cast<scalar_t>(((grt - gx) + g * prev) * mt);
+      // select, as the forward: a masked token's gradient is 0 even if gx is not finite
+      const bool keep = mask_at<mask_t, acc_t>(m, t) != acc_t(0);
+      dr[t] = static_cast<scalar_t>(keep ? gx : acc_t(0));
+      if (kValues) dv[t] = static_cast<scalar_t>(keep ? (grt - gx) + g * prev : acc_t(0));
     } else {
       dr[t] = static_cast<scalar_t>(gx);
       if (kValues) dv[t] = static_cast<scalar_t>((grt - gx) + g * prev);

@@ -168,7 +168,7 @@ __global__ void fused_forward_kernel(const scalar_t* __restrict__ r,
 }
 
 // The adjoint, forwards in time: gx[t] = ga[t] + gr[t] + c * gx[t - 1] (gx[lo - 1] = 0),
-// d rewards = gx * m, d values = (gr - gx + gamma * gx[t - 1]) * m. ga / gr may be null.
+// d rewards = m ? gx : 0, d values = m ? gr - gx + gamma * gx[t - 1] : 0 (select, as the forward).
 template <bool kValues, typename scalar_t, typename mask_t>
 __global__ void fused_backward_kernel(const scalar_t* __restrict__ ga,
                                       const scalar_t* __restrict__ gr,
@@ -205,11 +205,12 @@ __global__ void fused_backward_kernel(const scalar_t* __restrict__ ga,
       const int64_t t = base + j;
       if (t < bd.hi) {
         const acc_t gx = x[j] + times(c, prev);
-        const acc_t mt = mask_at<mask_t, acc_t>(m, t);
-        dr[t] = static_cast<scalar_t>(kHasMask<mask_t> ? gx * mt : gx);
+        // select, as the forward: a masked token's gradient is 0 even where gx is not finite
+        const bool keep = mask_at<mask_t, acc_t>(m, t) != acc_t(0);
+        dr[t] = static_cast<scalar_t>(keep ? gx : acc_t(0));
         if (kValues) {
           const acc_t d = (grv[j] - gx) + g * prev;
-          dv[t] = static_cast<scalar_t>(kHasMask<mask_t> ? d * mt : d);
+          dv[t] = static_cast<scalar_t>(keep ? d : acc_t(0));
         }
         prev = gx;
       }

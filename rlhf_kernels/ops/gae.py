@@ -54,7 +54,7 @@ if _HAS_NATIVE:
 
     @torch.library.register_fake("rlhf_kernels::reverse_scan")
     def _reverse_scan_fake(x, coef):
-        return torch.empty_like(x)
+        return x.new_empty(x.shape)  # contiguous, as the real op's (empty_like keeps x's strides)
 
 
 def _native_supports(device: torch.device, op: str = "reverse_scan") -> bool:
@@ -418,7 +418,8 @@ def _use_fused(op, backend, tensors, mask, cu):
     if backend not in ("auto", "native") or not _native_supports(t0.device, op):
         return False
     if torch.compiler.is_compiling():
-        return False  # traced: the scan path below (the native scan has a fake, this op not)
+        return False  # traced: the scan path below (the fused op has a fake, but on CUDA it
+        # does not check cu_seqlens, which eager validation does before it runs)
     if any(t.dtype != t0.dtype for t in tensors) or (mask is not None and mask.requires_grad):
         return False
     return True
