@@ -13,10 +13,20 @@ the paged KV cache (``block_table``) are not implemented: passing one raises. Wi
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from rlhf_kernels._checks import remember_validated
 from rlhf_kernels.ops.varlen_attention import varlen_attention
+
+
+def _causal(causal):
+    """flash-attn's op casts ``causal`` to bool, so ``causal=1`` / ``0`` call sites run there: take
+    those ints too (anything else goes to ``varlen_attention``'s strict check)."""
+    if isinstance(causal, numbers.Integral) and not isinstance(causal, bool) and causal in (0, 1):
+        return bool(causal)
+    return causal
 
 
 def _refuse(alibi_slopes, block_table=None):
@@ -57,7 +67,7 @@ def flash_attn_varlen_func(
     _refuse(alibi_slopes, block_table)
     res = varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_size, softcap, return_lse=bool(return_attn_probs),
+        softmax_scale, _causal(causal), window_size, softcap, return_lse=bool(return_attn_probs),
         backend=backend, deterministic=deterministic,
     )  # fmt: skip
     return (*res, None) if return_attn_probs else res
@@ -105,9 +115,9 @@ def flash_attn_func(
     remember_validated(cu_k, [i * sk for i in range(b + 1)])
     res = varlen_attention(
         q.reshape(b * sq, *q.shape[2:]), k.reshape(b * sk, *k.shape[2:]),
-        v.reshape(b * sk, *v.shape[2:]), cu_q, cu_k, sq, sk, dropout_p, softmax_scale, causal,
-        window_size, softcap, return_lse=bool(return_attn_probs), backend=backend,
-        deterministic=deterministic,
+        v.reshape(b * sk, *v.shape[2:]), cu_q, cu_k, sq, sk, dropout_p, softmax_scale,
+        _causal(causal), window_size, softcap, return_lse=bool(return_attn_probs),
+        backend=backend, deterministic=deterministic,
     )  # fmt: skip
     out, lse = res if return_attn_probs else (res, None)
     out = out.view(b, sq, *out.shape[1:])

@@ -30,6 +30,7 @@ row-chunked logits (argmax of the capped logits; memory bounded like the loss).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,13 @@ def fused_linear_cross_entropy(
     Returns: float32 loss (``target``'s shape for ``"none"``); with any ``return_*`` flag a
         :class:`CrossEntropyOutput` (Liger's), whose unrequested fields are None.
     """
+    _check_flags(
+        return_z_loss=return_z_loss, use_token_scaling=use_token_scaling,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+    )  # fmt: skip
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int (a target id), got {ignore_index!r}")
     if accum_dtype is not None and not (
         isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point
     ):
@@ -165,6 +173,14 @@ def fused_linear_cross_entropy(
         if return_predicted_tokens:
             predicted = pred.view(target.shape)
     return CrossEntropyOutput(nll, z_loss if return_z_loss else None, accuracy, predicted)
+
+
+def _check_flags(**flags):
+    """On/off options must be bools (as Liger asserts): a truthy string such as ``"False"`` from a
+    config would silently turn one on."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
 
 
 def _check_ce_weight(ce_weight, weight):
@@ -289,14 +305,11 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             raise ValueError(
                 f"softcap must be None or > 0 and <= {lse_mod._F32_MAX:.4g}, got {softcap!r}"
             )
-        for name, flag in (
-            ("return_z_loss", return_z_loss),
-            ("use_token_scaling", use_token_scaling),
-            ("return_token_accuracy", return_token_accuracy),
-            ("return_predicted_tokens", return_predicted_tokens),
-        ):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        _check_flags(
+            return_z_loss=return_z_loss, use_token_scaling=use_token_scaling,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
+        )  # fmt: skip
         self.ce_weight = ce_weight
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.reduction, self.softcap, self.accum_dtype = reduction, softcap, accum_dtype
