@@ -27,6 +27,17 @@ def _leaves(lens_q, lens_k, heads=2, kv_heads=1, dim=8, dtype=torch.float32):
     return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
 
 
+def _fake_flash_attn(monkeypatch, flash_attn_varlen_func):
+    """Install a stand-in ``flash_attn`` module and make the flash backend look available."""
+    monkeypatch.setitem(
+        sys.modules,
+        "flash_attn",
+        types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func),
+    )
+    monkeypatch.setattr(va, "_is_cuda", lambda t: True)
+    monkeypatch.setattr(va, "_flash_attn_available", lambda: True)
+
+
 # ----------------------------------------------------------------------------- double backward
 def test_triton_double_backward_raises_instead_of_dropping_its_terms():
     """The Triton backward is not differentiable: with create_graph=True its gradients had no
@@ -159,13 +170,7 @@ def test_flash_attn_gets_a_max_seqlen_k_that_keeps_a_bounded_right_side(monkeypa
         )
         return (out, lse, None) if kw["return_attn_probs"] else out
 
-    monkeypatch.setitem(
-        sys.modules,
-        "flash_attn",
-        types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func),
-    )
-    monkeypatch.setattr(va, "_is_cuda", lambda t: True)
-    monkeypatch.setattr(va, "_flash_attn_available", lambda: True)
+    _fake_flash_attn(monkeypatch, flash_attn_varlen_func)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 1, 8, generator=g, dtype=torch.float16) for n in (8, 2, 2))
     cu_q, cu_k = _cu([8]), _cu([2])
@@ -249,13 +254,7 @@ def test_huge_negative_window_side_is_unbounded_on_every_path(monkeypatch):
         seen.append(window_size)
         return varlen_attention_reference(q, k, v, cu_q, cu_k, causal=kw["causal"])[0]
 
-    monkeypatch.setitem(
-        sys.modules,
-        "flash_attn",
-        types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func),
-    )
-    monkeypatch.setattr(va, "_is_cuda", lambda t: True)
-    monkeypatch.setattr(va, "_flash_attn_available", lambda: True)
+    _fake_flash_attn(monkeypatch, flash_attn_varlen_func)
     varlen_attention(q.half(), q.half(), q.half(), cu, cu, causal=True, window_size=window)
     assert seen == [(-1, 0)]
 

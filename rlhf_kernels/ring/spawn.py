@@ -93,6 +93,15 @@ def _collect(procs: dict, results, timeout_s: float) -> tuple[dict, list[str]]:
     return got, errors
 
 
+def _reap(procs, wait_s: float) -> None:
+    """Join each process, waiting up to ``wait_s`` seconds; terminate one still running."""
+    for p in procs:
+        p.join(timeout=wait_s)
+        if p.is_alive():
+            p.terminate()
+            p.join()
+
+
 def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (gloo, CPU).
 
@@ -131,11 +140,7 @@ def run_gloo(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int 
     try:
         got, errors = _collect(dict(enumerate(procs)), results, timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 1)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+        _reap(procs, 5 if not errors else 1)
     if errors:
         raise RuntimeError("worker failed:\n" + "\n".join(errors))
     return [got[r] for r in range(world_size)]
@@ -188,11 +193,7 @@ def gloo_rank0(fn, world_size: int, *args, timeout_s: float = 300.0, threads: in
         if dist.is_initialized():
             dist.destroy_process_group()
         torch.set_num_threads(saved_threads)
-        for p in procs:
-            p.join(timeout=30 if not errors else 1)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+        _reap(procs, 30 if not errors else 1)
     if errors:
         raise RuntimeError("helper rank failed:\n" + "\n".join(errors))
     others.extend(got[r] for r in range(1, world_size))
