@@ -529,7 +529,8 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
     """One optimizer step of the clipped policy loss; the token mean (or Dr. GRPO's constant
     normaliser, ``--loss-aggregation``) runs over the global batch (``batch``: this rank's
     ``Sample``s, or its ring shards)."""
-    n_global = sum_across([_batch_n(batch) / layout.tp], layout)[0]
+    # (a step of empty responses only has no action token: its losses are 0, not 1 / 0)
+    n_global = max(sum_across([_batch_n(batch) / layout.tp], layout)[0], 1)
     norm = n_global  # the loss's denominator; the statistics stay token means
     if cfg.loss_aggregation == "seq-mean-token-sum-norm":
         norm = _batch_seqs(batch, layout) * cfg.max_new_tokens
@@ -579,7 +580,7 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
 
 
 def train_critic(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> float:
-    n_global = sum_across([_batch_n(batch) / layout.tp], layout)[0]
+    n_global = max(sum_across([_batch_n(batch) / layout.tp], layout)[0], 1)
     total, mbs = 0.0, update_batches(batch, cfg, layout, pad_id)
     for i, (mb, counts) in enumerate(mbs):
         weight = _n(mb) / n_global if counts else 0.0
@@ -668,6 +669,15 @@ def prompt_positions(cfg: PPOConfig, layout: Layout) -> list[int]:
     return list(range(r * k, (r + 1) * k))
 
 
+def mini_batches(samples: list[Sample], cfg: PPOConfig, layout: Layout) -> list[list[Sample]]:
+    """This rank's share of each optimizer step's ``--batch-size`` samples (all ranks together),
+    in order: with ``prompt_positions``' layout, slice ``b`` is this rank's part of mini-batch
+    ``b``."""
+    n_batches = len(samples) * layout.dp // cfg.batch_size
+    size = len(samples) // n_batches
+    return [samples[b * size : (b + 1) * size] for b in range(n_batches)]
+
+
 def resolve_defaults(cfg: PPOConfig) -> PPOConfig:
     """Fill the defaults that need files: without ``--model`` the warm-started tiny model (built
     once; concurrent ranks wait for one builder) and its prompt template, without ``--dataset``
@@ -729,9 +739,7 @@ def train(cfg: PPOConfig) -> dict:
             samples, texts = generate(gen, s.tokenizer, mine, cfg, s.layout, step, positions)
             s.on_every_rank(score, reward, s.tokenizer, samples, texts, cfg, s.layout)
             exp = make_experience(samples, engine.module, ref, critic_module, cfg, s.layout, pad)
-            n_batches = len(samples) * s.layout.dp // cfg.batch_size
-            size = len(samples) // n_batches
-            batches = [samples[b * size : (b + 1) * size] for b in range(n_batches)]
+            batches = mini_batches(samples, cfg, s.layout)
         else:  # each ring rank generates a share and keeps only its token shards
             make = functools.partial(ring_share, gen, s, reward, cfg, step)
             shards, text, received = ppo_ring.rollouts(s, make, list(zip(positions, mine)), cfg)
