@@ -96,7 +96,7 @@ def _hand_actor(samples, cfg, norm):
     kl = (d.exp() - 1 - d).sum() / n
     total = surrogate + cfg.kl_coef * kl * cfg.kl_in_loss - cfg.entropy_coef * ent.sum() / n
     total.backward()
-    x = (old - logp).detach()  # approx_kl: k3 between old and new policy
+    x = (logp - old).detach()  # approx_kl: k3 of KL(old || new), r = new / old
     return {
         "policy_loss": surrogate.item(),
         "actor_loss": total.item(),

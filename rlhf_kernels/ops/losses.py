@@ -287,8 +287,9 @@ def policy_loss(
             (e.g. the generation limit); required for the packed layout, default for the
             padded one ``T``.
         return_stats: also return a dict of detached scalars: ``clip_frac`` (tokens whose
-            clipped term won), ``dual_clip_frac``, ``approx_kl`` (token mean of k3 between the
-            old and new policy) and ``ratio_mean``.
+            clipped term won), ``dual_clip_frac``, ``approx_kl`` (token mean of k3,
+            ``r - 1 - log r`` with ``r`` the new / old ratio: an unbiased estimate of
+            KL(old || new) on the old policy's samples) and ``ratio_mean``.
     Returns: scalar loss in logp's dtype (and the stats dict).
     """
     _check_float(logp=logp, old_logp=old_logp, advantages=advantages)
@@ -309,8 +310,9 @@ def policy_loss(
         n = m.sum().clamp_min(1)
         stats = {
             "clip_frac": ((clipped > unclipped).to(m.dtype) * m).sum() / n,
-            # k3 of old vs new, its exponent capped as the ratio is (an 89-nat drop was inf)
-            "approx_kl": (_k3(-log_ratio) * m).sum() / n,
+            # k3 estimate of KL(old || new) from the old policy's samples: r - 1 - log r with
+            # r = new / old (unbiased: E_old[r] = 1), its exponent capped as the ratio is
+            "approx_kl": (_k3(log_ratio) * m).sum() / n,
             "ratio_mean": (ratio * m).sum() / n,
             "dual_clip_frac": torch.zeros((), dtype=m.dtype, device=m.device),
         }
