@@ -7,7 +7,6 @@ unless truncation cut it off (SFT only; pairs always keep it so a reward is read
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import random
@@ -16,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import datasets
+import pandas
 from datasets.exceptions import DatasetGenerationError
 
 from rlhf_kernels._checks import is_real
@@ -23,6 +23,7 @@ from rlhf_kernels._checks import is_real
 DATA_DIR = Path(__file__).resolve().parent / "data"
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _DROPPED = "load_mixture dropped columns not shared by every dataset: "
+_JSON = getattr(datasets, "Json", ())  # datasets >= 5: a column of mixed types (5 and "five")
 
 
 def make_default_path(name: str) -> str:
@@ -64,9 +65,13 @@ def _load_one(item: str, split: str) -> datasets.Dataset:
         if path.stat().st_size == 0:
             raise ValueError(f"dataset {item!r}: the file is empty (no rows)")
         kwargs = {}
-        if builder == "csv":  # CSV has no types: every column is text ("0007" stays "0007")
-            with path.open(newline="", encoding="utf-8-sig") as f:  # (Excel: a BOM)
-                header = next(csv.reader(f), [])
+        if builder == "csv":  # CSV has no types: every column is text ("0007" stays "0007",
+            # "NA" / "None" stay text: only an empty cell is missing)
+            kwargs = {"keep_default_na": False, "na_values": [""]}
+            try:  # the names pandas gives ('Unnamed: 0' for to_csv's index, 'a.1' for a 2nd 'a')
+                header = pandas.read_csv(path, nrows=0, encoding="utf-8").columns
+            except (ValueError, UnicodeError) as e:  # EmptyDataError, ParserError
+                raise ValueError(f"dataset {item!r}: cannot be read as csv: {e}") from None
             kwargs["features"] = datasets.Features({c: datasets.Value("string") for c in header})
         try:
             loaded = datasets.load_dataset(builder, data_files=str(path), **kwargs)
@@ -100,10 +105,10 @@ def _parse_probs(probs: str, n: int) -> list[float]:
 
 def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[datasets.Dataset]:
     """Keep only the columns every part has (first part's order), each cast to one type: the
-    parts' own when they agree; text when any part has text there (numbers become their
-    digits, class labels their names, and text such as "0007" is never parsed as a number);
-    int64 / float64 when the parts mix numbers and booleans; else the first part's (a failing
-    cast names the part)."""
+    parts' own when they agree; text when any part has text there, or a JSON column mixing
+    text and numbers (numbers become their digits, class labels their names, and text such as
+    "0007" is never parsed as a number); int64 / float64 when the parts mix numbers and
+    booleans; else the first part's (a failing cast names the part)."""
     common = [c for c in parts[0].column_names if all(c in p.column_names for p in parts)]
     dropped = sorted({c for p in parts for c in p.column_names} - set(common))
     if not common:
@@ -126,19 +131,23 @@ def _common_columns(parts: list[datasets.Dataset], names: list[str]) -> list[dat
 
 
 def _label_names(part: datasets.Dataset, features) -> datasets.Dataset:
-    """``ClassLabel`` columns that become text hold their label names, not the label numbers."""
+    """``ClassLabel`` columns that become text hold their label names, not the label numbers;
+    ``Json`` ones (a JSON column of text and numbers) their values' text: a cast gave the JSON
+    (``"five"`` with its quotes)."""
     for c, f in part.features.items():
-        if isinstance(f, datasets.ClassLabel) and features[c] == datasets.Value("string"):
-            feats = part.features.copy()
-            feats[c] = datasets.Value("string")
-            names = f.names  # -1 / None: a missing label (the datasets convention)
-            part = part.map(
-                lambda b, c=c, names=names: {
-                    c: [None if x is None or x < 0 else names[x] for x in b[c]]
-                },
-                batched=True,
-                features=feats,
-            )
+        if features[c] != datasets.Value("string"):
+            continue
+        if isinstance(f, datasets.ClassLabel):  # -1 / None: a missing label (datasets' way)
+            text = lambda x, names=f.names: None if x is None or x < 0 else names[x]  # noqa: E731
+        elif isinstance(f, _JSON):
+            text = lambda x: x if x is None or isinstance(x, str) else json.dumps(x)  # noqa: E731
+        else:
+            continue
+        feats = part.features.copy()
+        feats[c] = datasets.Value("string")
+        part = part.map(
+            lambda b, c=c, text=text: {c: [text(x) for x in b[c]]}, batched=True, features=feats
+        )
     return part
 
 
@@ -146,6 +155,10 @@ def _joint_type(kinds: list) -> object:
     """One ``datasets`` feature for a column the parts type differently (see _common_columns)."""
     dtypes = [k.dtype if isinstance(k, datasets.Value) else None for k in kinds]
     if any(d in ("string", "large_string") for d in dtypes):
+        return datasets.Value("string")
+    if any(isinstance(k, _JSON) for k in kinds) and all(  # Json: text and numbers
+        isinstance(k, _JSON) or d is not None for k, d in zip(kinds, dtypes)
+    ):
         return datasets.Value("string")
     if all(isinstance(k, datasets.ClassLabel) for k in kinds):  # other names: a cast by number
         return datasets.Value("string")  # would swap labels; their names agree

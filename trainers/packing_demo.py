@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import random
 import sys
 import time
@@ -45,9 +46,27 @@ class ByteTokenizer:
 
 
 def load_samples(path: Path, max_len: int) -> list[torch.Tensor]:
+    """One sample per non-blank line; ValueError naming the line unless it is a JSON object with
+    a text ``"text"``, or when the file has no such line (an empty corpus never fills a batch)."""
     tok = ByteTokenizer()
+    samples = []
     with open(path, encoding="utf-8") as f:
-        return [tok.encode(json.loads(line)["text"], max_len) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(
+                    f"--data {str(path)!r}: line {n}: expected a JSON object with a text 'text', "
+                    f"got {line.strip()[:60]!r}"
+                )
+            samples.append(tok.encode(row["text"], max_len))
+    if not samples:
+        raise ValueError(f"--data {str(path)!r}: expected at least one JSON line, got none")
+    return samples
 
 
 def build_model(seed: int, max_len: int):
@@ -170,8 +189,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len < 2 or args.max_len > args.max_tokens:
         p.error(f"--max-len must be in [2, --max-tokens={args.max_tokens}], got {args.max_len}")
-    if args.tol < 0:
+    if not args.tol >= 0:  # NaN: no difference is ever > NaN, so every run "passed"
         p.error(f"--tol must be >= 0, got {args.tol}")
+    if not 0 <= args.lr < math.inf:  # inf trains to NaN losses
+        p.error(f"--lr must be a finite number >= 0, got {args.lr}")
+    try:  # a bad corpus is refused before the models are built (an empty one hung)
+        load_samples(args.data, args.max_len)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     return args
 
 
@@ -229,8 +254,9 @@ def main(argv=None) -> tuple[RunStats, RunStats]:
     args = parse_args(argv)
     packed, padded = run(args)
     print(report(packed, padded))
-    worst = max(loss_differences(packed, padded))
-    if worst > args.tol:
+    diffs = loss_differences(packed, padded)  # a NaN loss fails (max() may skip a NaN)
+    worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
+    if not worst <= args.tol:
         print(
             f"FAIL: packed and padded losses differ by {worst:.2e} > --tol {args.tol:.1e}",
             file=sys.stderr,

@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE, help="output folder (default: this folder)")
     args = p.parse_args(argv)
     stale = []
+    if not args.check:  # a new --out folder (writing into it raised FileNotFoundError)
+        args.out.mkdir(parents=True, exist_ok=True)
     for name, make in FILES.items():
         path, text = args.out / name, render(make())
         if args.check:
