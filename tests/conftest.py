@@ -31,3 +31,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _keep_launcher_env():
+    """torchrun's variables as they were before the test: ``init_distributed`` run in-process
+    sets them, and a leftover ``RANK`` / ``MASTER_PORT`` sent later tests' plain ``python -m``
+    runs to a stale port (EADDRINUSE)."""
+    saved = {k: os.environ.get(k) for k in _LAUNCHER_ENV}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

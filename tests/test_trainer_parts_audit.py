@@ -333,6 +333,15 @@ def test_wandb_run_is_finished_once_on_close(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- distributed
+def _unset(monkeypatch, *names):
+    """Remove env variables and restore them (or their absence) after the test: a bare
+    ``delenv(raising=False)`` of an absent one records nothing, so what the code under test sets
+    leaked into later tests' subprocesses (RANK / MASTER_PORT: a stale port, EADDRINUSE)."""
+    for k in names:
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+
+
 def test_plain_python_is_a_world_of_one_with_the_runs_timeout(monkeypatch):
     import datetime
 
@@ -340,15 +349,16 @@ def test_plain_python_is_a_world_of_one_with_the_runs_timeout(monkeypatch):
 
     from trainers import distributed as D
 
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+    _unset(monkeypatch, "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     lay = D.init_distributed(1, 1, timeout_s=42)
-    assert calls == [(("gloo",), {"timeout": datetime.timedelta(seconds=42)})]
+    ((args, kw),) = calls  # a world of one on an in-process store: no port to race for
+    assert args == ("gloo",) and kw.pop("timeout") == datetime.timedelta(seconds=42)
+    assert isinstance(kw.pop("store"), dist.HashStore) and kw == {"rank": 0, "world_size": 1}
     assert (lay.world, lay.rank, lay.dp, lay.device) == (1, 0, 1, CPU)
     assert os.environ["WORLD_SIZE"] == "1" and int(os.environ["MASTER_PORT"]) > 0
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # joined already: not again
@@ -363,8 +373,7 @@ def test_prebuilt_ops_folder_and_cpu_accelerator_keep_the_users_choice(monkeypat
     from trainers import prebuild
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for k in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR"):
-        monkeypatch.delenv(k, raising=False)
+    _unset(monkeypatch, "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")
     prebuild.use_prebuilt_ops()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
     assert os.environ["DS_ACCELERATOR"] == "cpu"
