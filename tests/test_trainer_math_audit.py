@@ -170,7 +170,7 @@ def test_sft_slots_are_the_processed_token_slots(no_packing):
         for ids in (torch.tensor([5, 6, 2]), torch.tensor([7, 8, 9, 10, 11, 2]))
     ]
     cfg = sft.SFTConfig(no_packing=no_packing, micro_batch_tokens=64)
-    got = sft.run_batch(_Engine(nll), samples, cfg, ONE, 0, train=False)
+    got = sft.run_batch(StubEngine(nll), samples, cfg, ONE, 0, train=False)
     assert got["tokens"] == 9 and got["slots"] == (12 if no_packing else 9)
 
 
@@ -185,21 +185,6 @@ def _tp_copies(monkeypatch, module):
     )
 
 
-class _Engine:
-    def __init__(self, fn):
-        self.theta = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
-        self.fn = fn
-
-    def __call__(self, *args, **kw):
-        return self.fn(self.theta, *args, **kw)
-
-    def set_gradient_accumulation_boundary(self, last):
-        pass
-
-    def backward(self, loss, scale_wrt_gas=False):
-        loss.backward()
-
-
 def test_sft_and_rm_totals_count_tensor_parallel_copies_once(monkeypatch):
     """TP ranks compute the same micro-batches: the logged SFT nll / slots and the RM loss /
     accuracy sums are those of one rank, not tp times them."""
@@ -210,9 +195,9 @@ def test_sft_and_rm_totals_count_tensor_parallel_copies_once(monkeypatch):
     ids = torch.tensor([5, 6, 7, 2])
     s = sft.Sample(ids, common.shifted_targets(ids, torch.tensor([0, 0, 1, 1])))
     cfg = sft.SFTConfig()
-    want = sft.run_batch(_Engine(nll), [s], cfg, ONE, 0, train=True)
+    want = sft.run_batch(StubEngine(nll), [s], cfg, ONE, 0, train=True)
     _tp_copies(monkeypatch, sft)
-    got = sft.run_batch(_Engine(nll), [s], cfg, TP2, 0, train=True)
+    got = sft.run_batch(StubEngine(nll), [s], cfg, TP2, 0, train=True)
     assert got == want and got["nll"] == 9.0
 
     def score(theta, input_ids, position_ids, last_index, **kw):
@@ -223,7 +208,7 @@ def test_sft_and_rm_totals_count_tensor_parallel_copies_once(monkeypatch):
         rm.Pair(torch.tensor([3, 1]), torch.tensor([3, 8])),
     ]
     rcfg = rm.RMConfig()
-    want = rm.run_batch(_Engine(score), pairs, rcfg, ONE, 0, train=False)
+    want = rm.run_batch(StubEngine(score), pairs, rcfg, ONE, 0, train=False)
     _tp_copies(monkeypatch, rm)
-    got = rm.run_batch(_Engine(score), pairs, rcfg, TP2, 0, train=False)
+    got = rm.run_batch(StubEngine(score), pairs, rcfg, TP2, 0, train=False)
     assert got == pytest.approx(want) and got["correct"] == 1.0
