@@ -107,6 +107,11 @@ def is_real(x, *, finite: bool = False, positive: bool = False) -> bool:
     return (not finite or math.isfinite(x)) and (not positive or x > 0)
 
 
+def is_int(x) -> bool:
+    """A Python/NumPy integer, not a bool (``True`` is no count, index or id)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def is_scalar(x) -> bool:
     """A real number (:func:`is_real`) or a 0-d real tensor (options users pass as tensors)."""
     if isinstance(x, torch.Tensor):

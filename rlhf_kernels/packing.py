@@ -22,14 +22,13 @@ import bisect
 import heapq
 import itertools
 import math
-import numbers
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rlhf_kernels._checks import check_mask
+from rlhf_kernels._checks import check_mask, is_int
 
 IGNORE_INDEX = -100
 
@@ -170,15 +169,10 @@ def pack_sequences(seqs: Sequence[torch.Tensor]) -> PackedBatch:
 
 
 # ----------------------------------------------------------------------------- planning
-def _is_int(x) -> bool:
-    """A Python or NumPy integer, not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check_plan_args(lengths, max_tokens, num_groups) -> tuple[list[int], int, int]:
-    if not _is_int(max_tokens) or max_tokens <= 0:
+    if not is_int(max_tokens) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if not _is_int(num_groups) or num_groups < 1:
+    if not is_int(num_groups) or num_groups < 1:
         raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
     if isinstance(lengths, torch.Tensor):
         if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex():
@@ -189,7 +183,7 @@ def _check_plan_args(lengths, max_tokens, num_groups) -> tuple[list[int], int, i
         lengths = lengths.tolist()
     lens = []
     for i, n in enumerate(lengths):
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"lengths[{i}] must be an int >= 0 (a token count), got {n!r}")
         if n > max_tokens:
             raise ValueError(

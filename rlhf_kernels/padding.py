@@ -8,11 +8,9 @@ what flash-attn 2.7+'s do, so code written for them runs unchanged; all are diff
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask
+from rlhf_kernels._checks import as_cu_seqlens, check_cu_seqlens, check_mask, is_int
 
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask=None):
@@ -114,7 +112,7 @@ def sequence_to_tokens(
     if not isinstance(values, torch.Tensor) or values.dim() < 1:
         got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
         raise ValueError(f"values must be a tensor (S, ...) with one entry per sequence, got {got}")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, numbers.Integral)):
+    if total is not None and not is_int(total):
         raise TypeError(f"total must be an int (the number of tokens) or None, got {total!r}")
     cu_seqlens = as_cu_seqlens(cu_seqlens, values.device)
     if not isinstance(cu_seqlens, torch.Tensor):

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from rlhf_kernels._checks import is_real
+from rlhf_kernels._checks import is_int, is_real
 
 
 @runtime_checkable
@@ -119,7 +119,7 @@ def split_responses(
 
 
 def _is_id(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+    return is_int(t) and t >= 0
 
 
 def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy, seed) -> None:
@@ -138,7 +138,7 @@ def _check_args(prompts, n_samples, max_new_tokens, temperature, top_p, greedy, 
                 f"generate: prompts[{i}]: expected token ids (ints >= 0), got {bad[0]!r} in "
                 f"{p!r:.80}"
             )
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # 1.5 would seed 1
+    if not is_int(seed):  # 1.5 would seed 1
         raise ValueError(f"generate: seed: expected an int, got {seed!r}")
     for name, v in (("n_samples", n_samples), ("max_new_tokens", max_new_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -13,18 +13,16 @@ the paged KV cache (``block_table``) are not implemented: passing one raises. Wi
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from rlhf_kernels._checks import remember_validated
+from rlhf_kernels._checks import is_int, remember_validated
 from rlhf_kernels.ops.varlen_attention import varlen_attention
 
 
 def _causal(causal):
     """flash-attn's op casts ``causal`` to bool, so ``causal=1`` / ``0`` call sites run there: take
     those ints too (anything else goes to ``varlen_attention``'s strict check)."""
-    if isinstance(causal, numbers.Integral) and not isinstance(causal, bool) and causal in (0, 1):
+    if is_int(causal) and causal in (0, 1):
         return bool(causal)
     return causal
 

@@ -30,12 +30,11 @@ row-chunked logits (argmax of the capped logits; memory bounded like the loss).
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-from rlhf_kernels._checks import is_real, is_scalar
+from rlhf_kernels._checks import is_int, is_real, is_scalar
 from rlhf_kernels.ops import linear_logprobs as lse_mod
 from rlhf_kernels.ops.linear_logprobs import linear_logprobs, linear_nll_loss, under_autocast
 
@@ -107,7 +106,7 @@ def fused_linear_cross_entropy(
         return_token_accuracy=return_token_accuracy,
         return_predicted_tokens=return_predicted_tokens,
     )  # fmt: skip
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+    if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int (a target id), got {ignore_index!r}")
     if accum_dtype is not None and not (
         isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point
