@@ -1,11 +1,15 @@
 """Gradients that are not differentiable again (kernels, collectives), made safe under
-``create_graph=True``: a double backward through them raises instead of silently dropping terms.
+``create_graph=True``: a double backward through them raises instead of silently dropping terms
+(:func:`once_differentiable_grads`), or ``create_graph=True`` itself raises
+(:func:`first_order_only`).
 
 ``torch.autograd.function.once_differentiable`` is not enough: its error node hangs off detached
 tensors, so ``torch.autograd.grad(..., inputs=q)`` never reaches it and stays silent.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -38,3 +42,21 @@ def once_differentiable_grads(what: str, grads, depends_on) -> tuple:
     return tuple(
         None if g is None else _NoDoubleBackward.apply(what, g.detach(), *given) for g in grads
     )
+
+
+def first_order_only(backward):
+    """An ``autograd.Function.backward`` that refuses ``create_graph=True`` (a second derivative)
+    with a clear error before any work: for the log-prob ops, whose gradients come from ``out=``
+    passes or were made in the forward (nothing to tie them to, as
+    :func:`once_differentiable_grads` does)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # the engine runs backward in grad mode only for create_graph
+            raise RuntimeError(
+                "rlhf_kernels' log-prob ops have no second derivative: backward (or "
+                "torch.autograd.grad) with create_graph=True is not supported"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper

@@ -71,13 +71,8 @@ import os
 import torch
 
 from rlhf_kernels._checks import check_mask, device_guard, is_real, is_scalar
-from rlhf_kernels.ops.logprobs import (
-    IGNORE_INDEX,
-    check_label_range,
-    first_order_only,
-    fix_masked,
-    mask_labels,
-)
+from rlhf_kernels.ops._once import first_order_only
+from rlhf_kernels.ops.logprobs import IGNORE_INDEX, check_label_range, fix_masked, mask_labels
 
 try:
     import triton

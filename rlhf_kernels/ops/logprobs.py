@@ -29,12 +29,12 @@ on every backend. There is no second derivative: ``create_graph=True`` is a Runt
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from rlhf_kernels._checks import device_guard, is_scalar
+from rlhf_kernels.ops._once import first_order_only
 
 try:
     import triton
@@ -272,24 +272,6 @@ def _backward_triton(z, labels, tau, stats, ent, g_logp, g_ent):
 
 
 # ----------------------------------------------------------------------------- autograd
-def first_order_only(backward):
-    """An ``autograd.Function.backward`` that refuses ``create_graph=True`` (a second derivative)
-    with a clear error before any work: these gradients are made without a graph (the torch
-    backend's ``out=`` passes failed with an unclear error, the others gave gradients with no
-    graph, so a penalty on them silently contributed nothing)."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        if torch.is_grad_enabled():  # the engine runs backward in grad mode only for create_graph
-            raise RuntimeError(
-                "rlhf_kernels' log-prob ops have no second derivative: backward (or "
-                "torch.autograd.grad) with create_graph=True is not supported"
-            )
-        return backward(ctx, *grads)
-
-    return wrapper
-
-
 class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, labels, tau, want_entropy, backend):
