@@ -107,6 +107,24 @@ def is_real(x, *, finite: bool = False, positive: bool = False) -> bool:
     return (not finite or math.isfinite(x)) and (not positive or x > 0)
 
 
+def check_triton_device(name: str, t: torch.Tensor) -> None:
+    """ValueError unless a Triton kernel can run on ``t``: a CUDA tensor, or any under the
+    interpreter (``TRITON_INTERPRET=1`` before triton is imported). Launching on CPU tensors
+    otherwise fails inside Triton with "0 active drivers"."""
+    if t.is_cuda:
+        return
+    try:
+        import triton
+    except ImportError:
+        msg = "backend='triton' needs the triton package, which is not installed"
+        raise ValueError(msg) from None
+    if not triton.knobs.runtime.interpret:
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+            f"imported), got {name} on {t.device}"
+        )
+
+
 def is_int(x) -> bool:
     """A Python/NumPy integer, not a bool (``True`` is no count, index or id)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

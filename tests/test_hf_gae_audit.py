@@ -202,3 +202,13 @@ def test_whiten_mask_on_another_device_refused():
     for mask in (torch.ones(4, device="meta"), torch.ones(4, dtype=torch.bool, device="meta")):
         with pytest.raises(ValueError, match="same device, got x on cpu, mask on meta"):
             whiten(torch.randn(4), mask)
+
+
+def test_logprobs_triton_backend_on_cpu_without_the_interpreter_refused(monkeypatch):
+    # the same launch on CPU tensors as gae's: "0 active drivers" from inside Triton before
+    triton = pytest.importorskip("triton")
+    from rlhf_kernels.ops.logprobs import logprobs_from_logits
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    with pytest.raises(ValueError, match="needs CUDA tensors .* got logits on cpu"):
+        logprobs_from_logits(torch.randn(4, 10), torch.tensor([1, 2, 3, 4]), backend="triton")

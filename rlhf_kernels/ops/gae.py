@@ -38,6 +38,7 @@ from rlhf_kernels._checks import (
     check_cu_seqlens,
     check_mask,
     check_same_device,
+    check_triton_device,
     is_real,
 )
 
@@ -256,16 +257,8 @@ def _pick_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "triton" and x.dtype != torch.float32:
         raise ValueError(f"backend='triton' supports float32 only, got {x.dtype}")
     if backend == "triton":
-        _check_triton_device("x", x)
+        check_triton_device("x", x)
     return backend
-
-
-def _check_triton_device(name: str, t: torch.Tensor) -> None:
-    if triton is not None and not t.is_cuda and not triton.knobs.runtime.interpret:
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
-            f"imported), got {name} on {t.device}"
-        )
 
 
 # A few long rows (the packed layout is ONE row) would run on one GPU program / thread block:
@@ -382,7 +375,7 @@ def _validate(name_tensors, cu_seqlens, mask, backend):
                 f"use backend 'auto', 'native' or 'torch'"
             )
         if backend == "triton":
-            _check_triton_device(n, t)
+            check_triton_device(n, t)
     for n, t in rest:
         if t.shape != t0.shape:
             raise ValueError(f"{n} must have {n0}'s shape {tuple(t0.shape)}, got {tuple(t.shape)}")

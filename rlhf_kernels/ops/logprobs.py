@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from rlhf_kernels._checks import device_guard, is_scalar
+from rlhf_kernels._checks import check_triton_device, device_guard, is_scalar
 from rlhf_kernels.ops._once import first_order_only
 
 try:
@@ -328,6 +328,8 @@ def _check(logits, labels, temperature, backend, ignore_index=IGNORE_INDEX):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and triton is None:
         raise ValueError("backend='triton' needs the triton package, which is not installed")
+    if backend == "triton":  # (CPU tensors without the interpreter: "0 active drivers")
+        check_triton_device("logits", logits)
     check_label_range(labels, logits.shape[-1], ignore_index, CHECK_LABELS_ON_CUDA)
 
 

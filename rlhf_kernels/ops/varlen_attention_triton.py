@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from rlhf_kernels._checks import device_guard
+from rlhf_kernels._checks import check_triton_device, device_guard
 from rlhf_kernels.ops._once import once_differentiable_grads
 from rlhf_kernels.ops.attention_schedule import _cdiv
 from rlhf_kernels.ops.attention_schedule import schedule as _schedule
@@ -919,11 +919,7 @@ def triton_varlen_attention(
             f"backend='triton' takes sequences shorter than 2**30 tokens, got "
             f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k}"
         )
-    if not q.is_cuda and not _interpreting():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-            f"triton is imported), got q on {q.device}"
-        )
+    check_triton_device("q", q)
     return VarlenAttentionTriton.apply(
         q,
         k,
