@@ -193,7 +193,7 @@ def test_triton_launch_checks(monkeypatch):
     q, cu = torch.zeros(4, 1, 16), _i32(0, 4)
     with pytest.raises(ValueError, match="max_seqlen_k=1073741824"):
         vt.triton_varlen_attention(q, q, q, cu, cu, 4, 1 << 30, 0.25, False, (-1, -1), 0.0)
-    monkeypatch.setattr(vt, "_interpreting", lambda: False)
+    monkeypatch.setattr(vt.triton.knobs.runtime, "interpret", False)
     with pytest.raises(ValueError, match="needs CUDA tensors .* got q on cpu"):
         vt.triton_varlen_attention(q, q, q, cu, cu, 4, 4, 0.25, False, (-1, -1), 0.0)
 
