@@ -169,6 +169,24 @@ def test_sft_trainer(benchmark, configs, name):
         assert result["padding_fraction"] < 0.02
 
 
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_plan_micro_batches(benchmark, quick, groups):
+    """The planner alone on one PPO-sized rollout batch (16k samples, 16-4096 tokens, a 64k
+    budget; 2k samples in quick mode), per data-parallel group count."""
+    rng = random.Random(0)
+    lengths = [rng.randint(16, 4096) for _ in range(2000 if quick else 16000)]
+    benchmark.group = "packing-plan"
+    plan = benchmark.pedantic(plan_micro_batches, args=(lengths, 65536, groups), rounds=3)
+    totals = [sum(lengths[i] for mb in g for i in mb) for g in plan]
+    benchmark.extra_info.update(
+        samples=len(lengths),
+        groups=groups,
+        microbatches_over_bound=groups * len(plan[0]) / math.ceil(sum(lengths) / 65536),
+        group_token_spread=max(totals) - min(totals),
+    )
+    assert max(totals) - min(totals) <= 4096
+
+
 def main(argv=None) -> dict:
     import matplotlib
 

@@ -279,6 +279,54 @@ def test_plan_groups_equal_counts_balanced_tokens(kind, num_groups):
     assert max(totals) / (sum(totals) / num_groups) - 1 <= 0.002, totals
 
 
+def _best_gap_brute(heavy, light, lens, gap, budget):
+    """The smallest gap one move / swap from ``heavy`` to ``light`` reaches (None: none helps)."""
+    best = None
+    for bh in heavy:
+        for bl in light:
+            room = budget - sum(lens[i] for i in bl)
+            moves = [lens[a] for a in bh] if len(bh) > 1 else []
+            swaps = [lens[a] - lens[c] for a in bh for c in bl]
+            for d in [m for m in moves if m <= room] + [s for s in swaps if 0 < s <= room]:
+                if abs(gap - 2 * d) < gap and (best is None or abs(gap - 2 * d) < best):
+                    best = abs(gap - 2 * d)
+    return best
+
+
+def test_group_refinement_finds_the_best_move_or_swap():
+    """The bisection search of one refinement step finds the same best gap as trying every
+    (heavy sample, light micro-batch / sample) pair, and applies exactly that change."""
+    rng = random.Random(0)
+    for _ in range(300):
+        budget = rng.randint(1, 60)
+        lens = [rng.randint(0, budget) for _ in range(rng.randint(2, 24))]
+        idx = list(range(len(lens)))
+        rng.shuffle(idx)
+        cut = rng.randint(1, len(idx) - 1)
+        groups = []
+        for part in (idx[:cut], idx[cut:]):
+            bins, load = [[]], 0
+            for i in part:  # first fit into micro-batches in order
+                if load + lens[i] > budget:
+                    bins.append([])
+                    load = 0
+                bins[-1].append(i)
+                load += lens[i]
+            groups.append(bins)
+        totals = [sum(lens[i] for b in g for i in b) for g in groups]
+        if totals[0] < totals[1]:
+            groups.reverse()
+            totals.reverse()
+        gap = totals[0] - totals[1]
+        expected = _best_gap_brute(groups[0], groups[1], lens, gap, budget)
+        found = packing._improve_pair(*groups, lens, gap, budget, totals, 0, 1)
+        assert found == (expected is not None)
+        if found:
+            assert abs(totals[0] - totals[1]) == expected
+            assert totals == [sum(lens[i] for b in g for i in b) for g in groups]
+            assert all(sum(lens[i] for i in b) <= budget and b for g in groups for b in g)
+
+
 def test_plan_small_and_edge_cases():
     assert plan_micro_batches([], 10) == [[]]
     assert plan_micro_batches([3, 4, 3], 10) == [[[0, 1, 2]]]
