@@ -37,6 +37,14 @@ def test_score_refuses_a_column_longer_than_the_responses():
         rewards.score(lambda **_: [1.0], "f", ["p"], ["a"], {"target": ["x", "y"]})
 
 
+def test_score_refuses_prompts_that_do_not_pair_with_the_responses():
+    for prompts in (["p"], ["p", "q", "r"]):
+        with pytest.raises(
+            ValueError, match=f"one prompt per response \\(2\\), got {len(prompts)}"
+        ):
+            rewards.score(lambda **_: [1.0, 1.0], "f", prompts, ["a", "b"], {})
+
+
 def test_toy_rewards_refuse_more_targets_than_responses():
     for fn in (rewards.reverse_reward, rewards.letters_reward):
         with pytest.raises(ValueError, match="target: expected one entry per response"):
@@ -344,6 +352,7 @@ def test_plot_skips_nulls_and_groups_never_logged(tmp_path):
         (dict(lr=float("inf")), "--lr must be a finite number"),
         (dict(max_grad_norm=-1.0), "--max-grad-norm must be >= 0"),
         (dict(save_total_limit=-1), "--save-total-limit must be >= 0"),
+        (dict(save_total_limit=2), "--save-total-limit 2 needs --save-steps N"),
         (dict(timeout_s=0), "--timeout-s must be >= 1"),
         (dict(eval_steps=5, eval_ratio=0.0), "--eval-steps 5 evaluates held-out data"),
         (dict(tp_size=2, zero_stage=3), "cannot be combined with --zero-stage 3"),

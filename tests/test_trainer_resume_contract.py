@@ -76,6 +76,48 @@ def test_resave_whose_commit_fails_keeps_the_previous_copy(tmp_path, monkeypatch
     assert checkpoint.read_state(ckpt) == {"step": 3, "seen": 1}
 
 
+class _RankEngine:
+    """One file per rank; raises on ``fail_rank``."""
+
+    def __init__(self, rank: int, fail_rank: int = -1):
+        self.rank, self.fail_rank = rank, fail_rank
+
+    def save_checkpoint(self, path, tag, save_latest):
+        if self.rank == self.fail_rank:
+            raise OSError(28, "No space left on device")
+        (Path(path) / f"{tag}-{self.rank}.pt").write_bytes(b"w")
+
+
+def _save_where_one_rank_fails(rank, world, out, where):
+    """Step 1 saves cleanly; step 2 fails on one rank ``where``: in the engine save of rank 1,
+    or in rank 0's commit. Returns (exception type, message) and the newest checkpoint's name."""
+    save_checkpoint(_RankEngine(rank), out, 1, {})
+    if where == "commit" and rank == 0:
+        os.replace = lambda a, b: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        save_checkpoint(_RankEngine(rank, 1 if where == "engine" else -1), out, 2, {})
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    else:
+        got = None
+    return got, latest_checkpoint(out).name
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("where,bad", [("engine", 1), ("commit", 0)])
+def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path, where, bad):
+    """No rank is left waiting at a barrier for one that failed: the failing rank raises its
+    own error, the others OtherRankFailed naming it; the step-1 checkpoint stays the newest."""
+    from rlhf_kernels.ring.spawn import run_gloo
+
+    out = run_gloo(_save_where_one_rank_fails, 2, str(tmp_path), where, timeout_s=120)
+    (mine, newest0), (theirs, newest1) = out if bad == 0 else out[::-1]
+    assert mine == ("OSError", "[Errno 28] No space left on device")
+    assert theirs[0] == "OtherRankFailed"
+    assert f"step-000002 failed on rank {bad}: OSError: [Errno 28] No space" in theirs[1]
+    assert newest0 == newest1 == "step-000001"
+
+
 def test_an_interrupted_commit_puts_the_committed_folder_back(tmp_path, monkeypatch):
     """Ctrl-C between commit_folder's two renames (not an OSError) must not leave the only
     whole copy under ``.old-<name>``, where a user looking for ``model/`` would not find it."""
@@ -224,6 +266,53 @@ def test_end_step_saves_every_save_steps_what_a_resume_checks(tmp_path):
     check_data(ckpt, checkpoint_data(cfg))
     with pytest.raises(ValueError, match="this run has --seed 4"):
         check_data(ckpt, checkpoint_data(SFTConfig(seed=4)))
+
+
+def test_a_failed_checkpoint_save_is_one_line_and_keeps_the_earlier_ones(
+    tmp_path, monkeypatch, capsys
+):
+    from trainers.session import Session
+    from trainers.sft import SFTConfig
+
+    cfg = SFTConfig(output_dir=str(tmp_path), save_steps=1)
+    s = _session(tmp_path, cfg, total=3)
+    Session.end_step(s, 1, {"loss": 1.0}, _Engine(b"one"))
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "commit_folder", full)
+    with pytest.raises(SystemExit):
+        Session.end_step(s, 2, {"loss": 1.0}, _Engine(b"two"))
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"error: step 2: saving the checkpoint failed ([Errno 28] No space left on device); "
+        f"the earlier checkpoints in {tmp_path} are kept"
+    ]
+    assert (latest_checkpoint(tmp_path) / "engine" / "w.pt").read_bytes() == b"one"
+
+
+def test_a_failed_model_export_is_one_line(tmp_path, monkeypatch, capsys):
+    from trainers import engine
+    from trainers.session import Session
+    from trainers.sft import SFTConfig
+
+    s = _session(tmp_path, SFTConfig(output_dir=str(tmp_path)))
+    s._bar = SimpleNamespace(close=lambda: None)
+    s.tokenizer = None
+    monkeypatch.setattr(engine, "full_state_dict", lambda e, layout: {})
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine, "save_hf_model", full)
+    with pytest.raises(SystemExit):
+        Session.finish(s, None, None, "", plot=[])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: saving the model to {tmp_path / 'model'} failed ([Errno 28] No space left on "
+        f"device); an earlier export there is kept"
+    ]
+    assert s.logger._closed
 
 
 def test_ppo_layout_records_whether_a_critic_is_saved():

@@ -344,9 +344,12 @@ def test_score_accepts_numbers_and_passes_columns():
     got = rewards.score(fn, "f", ["p"] * 4, ["a", "b", "c", "d"], {"target": list("wxyz")})
     assert got == [1.0, 1.0, 0.5, -2.0] and all(type(v) is float for v in got)
     assert seen == {"prompts": ["p"] * 4, "responses": list("abcd"), "target": list("wxyz")}
-    assert rewards.score(_const(torch.tensor([0.25, 3])), "t", ["p"], ["a", "b"], {}) == [0.25, 3]
-    assert rewards.score(_const(np.array([1, 2])), "n", ["p"], ["a", "b"], {}) == [1.0, 2.0]
-    assert rewards.score(_const((0.5, np.int64(2))), "n", ["p"], ["a", "b"], {}) == [0.5, 2.0]
+    assert rewards.score(_const(torch.tensor([0.25, 3])), "t", ["p", "q"], ["a", "b"], {}) == [
+        0.25,
+        3,
+    ]
+    assert rewards.score(_const(np.array([1, 2])), "n", ["p", "q"], ["a", "b"], {}) == [1.0, 2.0]
+    assert rewards.score(_const((0.5, np.int64(2))), "n", ["p", "q"], ["a", "b"], {}) == [0.5, 2.0]
 
 
 @pytest.mark.parametrize(
@@ -392,7 +395,7 @@ def test_score_reports_a_raising_function_and_bad_columns():
     with pytest.raises(ValueError, match="reward function pkg:boom raised KeyError: 'target'"):
         rewards.score(boom, "pkg:boom", ["p"], ["a"], {})
     with pytest.raises(ValueError, match="column 'target': expected one entry per response"):
-        rewards.score(_const([1.0, 1.0]), "f", ["p"], ["a", "b"], {"target": ["x"]})
+        rewards.score(_const([1.0, 1.0]), "f", ["p", "q"], ["a", "b"], {"target": ["x"]})
 
 
 def test_reverse_reward_values():

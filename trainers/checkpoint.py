@@ -5,9 +5,10 @@
 states. A checkpoint is written into ``.tmp-step-000003`` and renamed into place by rank 0 only
 after every rank has finished writing; the rename is the commit. A save that dies midway leaves
 a ``.tmp-*`` folder that resume ignores (and the next save removes), so the previous checkpoint
-stays usable. Resume takes the newest ``step-*`` folder. With ``keep`` (``--save-total-limit``)
-only that many committed folders stay: older ones are renamed to ``.del-step-*`` (atomically, so
-a half-deleted folder is never taken for a checkpoint) and then deleted. ``--output-dir`` must be
+stays usable; a save failing on any rank stops every rank with that rank's error. Resume takes
+the newest ``step-*`` folder. With ``keep`` (``--save-total-limit``) only that many committed
+folders stay: older ones are renamed to ``.del-step-*`` (atomically, so a half-deleted folder is
+never taken for a checkpoint) and then deleted. ``--output-dir`` must be
 on a file system every node sees (as for DeepSpeed checkpoints in general).
 """
 
@@ -99,9 +100,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+class OtherRankFailed(RuntimeError):
+    """Raised by :func:`agree` on the ranks that did not fail themselves."""
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """A barrier that also says whether ``what`` failed on any rank: the failing rank re-raises
+    its own error, every other rank raises :class:`OtherRankFailed` naming that rank and error
+    (a rank failing in a rank-0-only step, a full disk, never leaves the others waiting)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if error is not None:
+            raise error
+        return
+    msgs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if bad:
+        raise OtherRankFailed(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
 
 
 def save_checkpoint(
@@ -116,25 +133,36 @@ def save_checkpoint(
     root = checkpoint_root(output_dir)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
+    what = f"saving checkpoint {final}"
+    error = None
     if rank == 0:
-        for pattern in (".tmp-step-*", ".del-step-*"):  # an interrupted save / prune left them
-            for stale in root.glob(pattern) if root.is_dir() else []:
-                shutil.rmtree(stale, ignore_errors=True)
-        for old in root.glob(".old-step-*") if root.is_dir() else []:
-            if (root / old.name[len(".old-") :] / "trainer_state.json").is_file():
-                shutil.rmtree(old, ignore_errors=True)  # replaced: its re-save committed
-        tmp.mkdir(parents=True)
-    _barrier()
-    for tag, engine in engines.items():
-        engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    _barrier()  # every rank's files are on disk
+        try:
+            for pattern in (".tmp-step-*", ".del-step-*"):  # an interrupted save / prune left them
+                for stale in root.glob(pattern) if root.is_dir() else []:
+                    shutil.rmtree(stale, ignore_errors=True)
+            for old in root.glob(".old-step-*") if root.is_dir() else []:
+                if (root / old.name[len(".old-") :] / "trainer_state.json").is_file():
+                    shutil.rmtree(old, ignore_errors=True)  # replaced: its re-save committed
+            tmp.mkdir(parents=True)
+        except Exception as e:
+            error = e
+    agree(error, what)
+    try:  # DeepSpeed's own collectives inside cannot be guarded: a rank failing there hangs
+        for tag, engine in engines.items():
+            engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    except Exception as e:
+        error = e
+    agree(error, what)  # every rank's files are on disk
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-        commit_folder(tmp, final)  # a re-save of the same step (a resumed run) replaces it
-        if keep > 0:
-            prune_checkpoints(root, keep, final)
-    _barrier()
+        try:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+            commit_folder(tmp, final)  # a re-save of the same step (a resumed run) replaces it
+            if keep > 0:
+                prune_checkpoints(root, keep, final)
+        except Exception as e:
+            error = e
+    agree(error, what)
     return final
 
 

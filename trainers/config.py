@@ -103,7 +103,8 @@ class TrainConfig:
     )
     save_total_limit: int = _f(
         0,
-        "keep only the newest N checkpoints, deleting older ones after each save (0: keep all)",
+        "keep only the newest N checkpoints, deleting older ones after each save (0: keep all; "
+        "needs --save-steps)",
     )
     eval_steps: int = _f(0, "evaluate every N steps (0: only at the end)")
     resume: bool = _f(
@@ -151,6 +152,11 @@ class TrainConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
                 )
+        if self.save_total_limit and not self.save_steps:  # it prunes after each save only
+            raise ValueError(
+                f"--save-total-limit {self.save_total_limit} needs --save-steps N (no "
+                f"checkpoint is saved without it)"
+            )
         for f in fields(self):  # an unset shell variable: --dataset "$DATA"
             v = getattr(self, f.name)
             if isinstance(v, str) and not v.replace(",", "").strip():

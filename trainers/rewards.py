@@ -77,6 +77,8 @@ def score(
     (list, tuple, 1-D tensor/array) of N finite real numbers (None, NaN, inf, strings fail).
     """
     n = len(responses)
+    if len(prompts) != n:  # a reward function zipping the two would score shifted pairs
+        raise ValueError(f"score: expected one prompt per response ({n}), got {len(prompts)}")
     for key, col in columns.items():
         if len(col) != n:
             raise ValueError(

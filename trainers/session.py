@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainers import common, data
 from trainers.checkpoint import (
+    OtherRankFailed,
+    agree,
     check_complete,
     check_data,
     check_layout,
@@ -597,7 +598,15 @@ class Session:
                 "layout": checkpoint_layout(self.cfg, self.kind, self.layout),
                 "data": checkpoint_data(self.cfg, digests=self.layout.rank == 0),  # rank 0 saves
             }
-            save_checkpoint(engines, self.cfg.output_dir, step, state, self.cfg.save_total_limit)
+            keep = self.cfg.save_total_limit
+            try:
+                save_checkpoint(engines, self.cfg.output_dir, step, state, keep)
+            except (OSError, OtherRankFailed) as e:  # a full disk: one line, the others kept
+                self.logger.close()
+                common.fail(
+                    f"step {step}: saving the checkpoint failed ({e}); the earlier checkpoints "
+                    f"in {self.cfg.output_dir} are kept"
+                )
 
     def sample_line(self, step: int, text, reward: float) -> None:
         """Show one rollout under the progress bar now and then (rank 0)."""
@@ -615,14 +624,21 @@ class Session:
         self._bar.close()
         sd = full_state_dict(engine, self.layout)
         out = Path(self.cfg.output_dir) / "model"
+        error = None
         if self.layout.is_main:
-            save_hf_model(model, self.tokenizer, sd, out, prefix, extra_config)
-            png = self.logger.close(plot_keys=plot, title=f"{self.kind}: {self.cfg.output_dir}")
-            self.print(f"model saved to {out}" + (f", plot {png}" if png else ""))
-        else:
+            try:
+                save_hf_model(model, self.tokenizer, sd, out, prefix, extra_config)
+            except Exception as e:  # the other ranks must not wait for it at the barrier
+                error = e
+            else:
+                png = self.logger.close(plot_keys=plot, title=f"{self.kind}: {self.cfg.output_dir}")
+                self.print(f"model saved to {out}" + (f", plot {png}" if png else ""))
+        if error is not None or not self.layout.is_main:
             self.logger.close()
-        if self.layout.world > 1:
-            dist.barrier()
+        try:
+            agree(error, "saving the model")
+        except (OSError, OtherRankFailed) as e:
+            common.fail(f"saving the model to {out} failed ({e}); an earlier export there is kept")
         return out
 
     def on_every_rank(self, fn, *args):
