@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -534,6 +535,17 @@ def main(argv=None):
     )
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
+    deadline = os.environ.get("GPU_CHECK_DEADLINE", "").strip()  # make gpu-check's, whole target
+    if deadline:
+        try:
+            deadline = float(deadline)
+        except ValueError:
+            deadline = float("nan")
+        if not math.isfinite(deadline):
+            ap.error(
+                f"$GPU_CHECK_DEADLINE must be a Unix time in seconds, got "
+                f"{os.environ['GPU_CHECK_DEADLINE']!r}"
+            )
     if not torch.cuda.is_available():
         print("gpu_check needs CUDA", file=sys.stderr)
         return 2
@@ -561,8 +573,8 @@ def main(argv=None):
         stem = stem.with_name(f"{stem.name.rsplit('~', 1)[0]}~{n}")
     report["unfinished"] = list(args.only)
     budget = args.budget_s
-    if os.environ.get("GPU_CHECK_DEADLINE"):  # make gpu-check's deadline for the whole target
-        left = float(os.environ["GPU_CHECK_DEADLINE"]) - time.time()
+    if deadline:
+        left = deadline - time.time()
         budget = left if budget is None else min(budget, left)
     report["budget_s"] = None if budget is None else round(budget)
     start = time.perf_counter()

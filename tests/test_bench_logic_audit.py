@@ -139,6 +139,21 @@ def test_bad_budget_is_a_usage_error_before_any_work(value, fake_gpu, monkeypatc
     assert gpu_check.main(["--budget-s", "30", "--out-dir", str(out)]) == 0
 
 
+@pytest.mark.parametrize("value", ["soon", "nan", "inf"])
+def test_bad_deadline_is_a_usage_error_before_any_work(
+    value, fake_gpu, monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(gpu_check, "PARTS", dict(gae=lambda quick: iter([dict(method="a")])))
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", value)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out-dir", str(out)])
+    assert e.value.code == 2 and not out.exists()
+    assert f"$GPU_CHECK_DEADLINE must be a Unix time in seconds, got {value!r}" in (
+        capsys.readouterr().err
+    )
+
+
 def test_only_with_no_part_is_a_usage_error(fake_gpu, monkeypatch, tmp_path):
     # it used to measure nothing and exit 0: a passing check that checked nothing
     monkeypatch.setattr(gpu_check, "PARTS", dict(gae=lambda quick: iter([dict(method="a")])))
