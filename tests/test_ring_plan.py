@@ -145,6 +145,34 @@ def test_attention_work_counts_visible_pairs(layout, causal, window):
         assert int(plan.attention_work(causal, window)[r]) == expect
 
 
+def test_attention_work_takes_the_window_as_the_attention_does():
+    plan = RingPlan.build(_cu([9, 1, 14, 3]), 3, "zigzag")
+    expect = plan.attention_work(False, (3, 2))
+    assert torch.equal(plan.attention_work(False, torch.tensor([3, 2])), expect)
+    assert torch.equal(plan.attention_work(False, [-1, 2**31]), plan.attention_work(False))
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        plan.attention_work(False, (3.5, 2))  # int() truncated it to 3
+    with pytest.raises(ValueError, match="got 3 entries"):
+        plan.attention_work(False, (3, 2, 1))
+
+
+def test_world_size_and_rank_are_ints_numpy_ones_too():
+    import numpy as np
+
+    plan = RingPlan.build(_cu([9, 1, 14, 3]), np.int64(3), "zigzag")
+    same = RingPlan.build(_cu([9, 1, 14, 3]), 3, "zigzag")
+    assert plan.local_len == same.local_len
+    assert all(torch.equal(a, b) for a, b in zip(plan.runs, same.runs, strict=True))
+    assert type(plan.world_size) is int
+    assert torch.equal(plan.valid_mask(np.int32(2)), plan.valid_mask(2))
+    for bad in (0, -1, True, 3.0, "3", None):
+        with pytest.raises(ValueError, match="world_size must be a positive int"):
+            RingPlan.build(_cu([4]), bad)
+    for bad in (3, -1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match=r"rank must be an int in \[0, 3\)"):
+            plan.valid_mask(bad)
+
+
 def _mix(name, g):
     """Document-length mixes for the balance test."""
     if name == "uneven":  # 1..3000 tokens

@@ -35,7 +35,7 @@ from numbers import Integral
 
 import torch
 
-from rlhf_kernels._checks import check_cu_seqlens
+from rlhf_kernels._checks import check_cu_seqlens, is_int
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -92,8 +92,9 @@ class RingPlan:
             raise ValueError("cu_seqlens must have at least one entry, got an empty tensor")
         total = int(cu_seqlens[-1]) if cu_seqlens.dim() == 1 else -1
         cu = check_cu_seqlens(cu_seqlens.cpu(), total, "cu_seqlens")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        if not is_int(world_size) or world_size < 1:  # NumPy ints too; bools and floats not
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        world_size = int(world_size)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         cu_t = torch.tensor(cu, dtype=torch.int64)
@@ -112,9 +113,9 @@ class RingPlan:
         return len(self.cu_seqlens) - 1
 
     def check_rank(self, rank: int) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+        if not is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
-        return rank
+        return int(rank)
 
     def valid_mask(self, rank: int) -> torch.Tensor:
         """bool ``(local_len,)``: True for real tokens, False for pad slots."""
@@ -296,7 +297,9 @@ class RingPlan:
         This is the attention work a rank does in a ring pass (keys may live on any rank).
         ``max / mean`` of it is the load imbalance. Closed form per run, O(runs).
         """
-        left, right = int(window_size[0]), int(window_size[1])
+        from rlhf_kernels.ops.varlen_attention import _window_pair
+
+        left, right = _window_pair(window_size)  # as the attention takes it: (4.5, 0) refused
         if causal:
             right = 0
         cu = torch.tensor(self.cu_seqlens, dtype=torch.int64)
