@@ -281,7 +281,12 @@ def write_reports(
         quick = "-quick" if rep.get("bench_quick") else ""  # never overwrites a full run's file
         return f"{_safe(group)}-{tag or rep['machine']['tag']}{quick}-{rep['date']}"
 
-    taken = [out_dir / f"{stem_of(g, r)}.json" for g, r in reports.items()]
+    stems: dict[str, str] = {}
+    for g, r in reports.items():  # "a/b" and "a b" are both a_b: one would replace the other
+        other = stems.setdefault(stem_of(g, r), g)
+        if other != g:
+            raise ValueError(f"groups {other!r} and {g!r} would both write {stem_of(g, r)}.json")
+    taken = [out_dir / f"{stem}.json" for stem in stems]
     taken = [p for p in taken if p.exists()]
     if taken and not force:
         raise FileExistsError(f"{taken[0]} exists (committed results?): pass --force to overwrite")
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         written = write_reports(
             reports, args.out_dir, args.tag, plot=not args.no_plot, force=args.force
         )
-    except FileExistsError as e:
+    except (FileExistsError, ValueError) as e:
         print(f"report.py: {e} (the raw timings stay in {args.raw})", file=sys.stderr)
         return 1
     for path in written:

@@ -122,6 +122,18 @@ def test_report_writes_json_and_png(tmp_path):
     assert report.main(["--raw", str(done), "--out-dir", str(tmp_path / "o2")]) == 1
 
 
+def test_report_refuses_groups_that_share_a_file_name(tmp_path, capsys):
+    raw = _fake_raw(stamped=True)
+    raw["benchmarks"][2]["group"] = "g one"  # "g-one" and "g one": g-one / g_one, both fine
+    raw["benchmarks"][3]["group"] = "g/one"  # "g one" and "g/one": both g_one
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    assert report.main(["--raw", str(path), "--out-dir", str(out), "--no-plot"]) == 1
+    assert "groups 'g one' and 'g/one' would both write g_one-" in capsys.readouterr().err
+    assert not out.exists() or not list(out.iterdir())  # nothing half-written
+
+
 @pytest.mark.parametrize(
     "flag, value",
     [("--date", "2026/01/02"), ("--date", "yesterday"), ("--tag", "a/b"), ("--tag", "")],

@@ -83,6 +83,30 @@ def test_softmax_scale_is_used(dtype, fused, softcap, window):
         torch.testing.assert_close(a.double(), r, rtol=tol, atol=tol, msg=name)
 
 
+def test_float64_inputs_get_a_float64_lse_and_its_gradient():
+    """As varlen_attention: the lse of float64 inputs is float64 (it was cast to fp32, 1e-7
+    off the float64 ground truth), and a loss on it differentiates to the dense reference's."""
+    q, k, v, _ = _inputs(seed=2)
+    plan = RingPlan.build(_cu(LENGTHS), 1, "zigzag")
+    dl = torch.randn(q.shape[1], q.shape[0], dtype=torch.float64)
+
+    def lse_of(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        lse = fn(*leaves)
+        (lse * dl).sum().backward()  # the lse does not depend on v: dv is 0 (or None)
+        return [lse.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+    def ring(q, k, v):
+        qs, ks, vs = (plan.shard(t, 0) for t in (q, k, v))
+        _, lse = ring_varlen_attention(qs, ks, vs, plan, return_lse=True, tile=8)
+        assert lse.dtype == torch.float64
+        return plan.unshard([lse.T]).T
+
+    ref = lse_of(lambda q, k, v: _dense(q, k, v, LENGTHS)[1])
+    for name, a, r in zip(("lse", "dq", "dk", "dv"), lse_of(ring), ref):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_one_plan_reused_across_windows_causal_and_tiles():
     # tiles are cached on the plan (one plan serves every layer): the cache key must hold every
     # option the tiles depend on, or a later call silently reuses another window's tiles

@@ -236,7 +236,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.spec = spec
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)  # an unused lse costs nothing in the backward
-        return out, lse.float()
+        return out, lse  # fp32, float64 for float64 inputs (as varlen_attention's)
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -322,7 +322,8 @@ def ring_varlen_attention(
             32 ints and a host sync); every rank raises the same error instead of hanging. Done
             once per plan, group, shapes and options: later calls with the same plan (the other
             layers, the next micro-batches) reuse the verdict cached on the plan.
-        return_lse: also return the lse ``(heads, local_len)`` fp32 (``-inf`` for pads).
+        return_lse: also return the lse ``(heads, local_len)`` fp32, float64 for float64 inputs
+            (``-inf`` for pads).
         fused: on CPU, tiles that are all visible or the aligned causal diagonal (no softcap,
             not float64) use torch's fused flash kernel; False forces the explicit math.
         triton: each block (local queries x one rank's keys) is one launch of the Triton varlen
