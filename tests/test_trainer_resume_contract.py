@@ -77,25 +77,29 @@ def test_resave_whose_commit_fails_keeps_the_previous_copy(tmp_path, monkeypatch
 
 
 class _RankEngine:
-    """One file per rank; raises on ``fail_rank``."""
+    """One file per rank."""
 
-    def __init__(self, rank: int, fail_rank: int = -1):
-        self.rank, self.fail_rank = rank, fail_rank
+    def __init__(self, rank: int):
+        self.rank = rank
 
     def save_checkpoint(self, path, tag, save_latest):
-        if self.rank == self.fail_rank:
-            raise OSError(28, "No space left on device")
         (Path(path) / f"{tag}-{self.rank}.pt").write_bytes(b"w")
 
 
 def _save_where_one_rank_fails(rank, world, out, where):
-    """Step 1 saves cleanly; step 2 fails on one rank ``where``: in the engine save of rank 1,
+    """Step 1 saves cleanly; step 2 fails on one rank ``where``: writing rank 1's RNG states,
     or in rank 0's commit. Returns (exception type, message) and the newest checkpoint's name."""
     save_checkpoint(_RankEngine(rank), out, 1, {})
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
     if where == "commit" and rank == 0:
-        os.replace = lambda a, b: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        os.replace = full
+    if where == "rng" and rank == 1:
+        checkpoint._rng_state = full
     try:
-        save_checkpoint(_RankEngine(rank, 1 if where == "engine" else -1), out, 2, {})
+        save_checkpoint(_RankEngine(rank), out, 2, {})
     except Exception as e:
         got = (type(e).__name__, str(e))
     else:
@@ -104,7 +108,7 @@ def _save_where_one_rank_fails(rank, world, out, where):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("where,bad", [("engine", 1), ("commit", 0)])
+@pytest.mark.parametrize("where,bad", [("rng", 1), ("commit", 0)])
 def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path, where, bad):
     """No rank is left waiting at a barrier for one that failed: the failing rank raises its
     own error, the others OtherRankFailed naming it; the step-1 checkpoint stays the newest."""

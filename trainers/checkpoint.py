@@ -147,9 +147,11 @@ def save_checkpoint(
         except Exception as e:
             error = e
     agree(error, what)
-    try:  # DeepSpeed's own collectives inside cannot be guarded: a rank failing there hangs
-        for tag, engine in engines.items():
-            engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
+    # not guarded: DeepSpeed's save has barriers of its own, which a rank waiting in agree()
+    # would not match; a rank failing in there exits, and its peers' collectives fail with it
+    for tag, engine in engines.items():
+        engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
+    try:
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     except Exception as e:
         error = e
