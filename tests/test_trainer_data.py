@@ -597,6 +597,24 @@ def test_input_template_checked(template, match):
         data.check_template("Q: {}\\nA: ")  # what 'Q: {}\nA: ' in a shell gives
 
 
+def test_a_literal_backslash_n_template_warns_once(tok):
+    """The flags' check warns; rendering every prompt with that template does not warn again
+    (it warned a second time from the data path, once per rank)."""
+    import warnings
+
+    from trainers.sft import SFTConfig
+
+    template = "Q: {}\\nA: "
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        SFTConfig(input_template=template).validate()
+        for prompt in ("ab", "cd"):
+            assert render_prompt(tok, prompt, template, False) == tok.encode(
+                template.format(prompt)
+            )
+    assert [str(w.message).count("literal backslash-n") for w in seen] == [1]
+
+
 def test_reward_positions_follow_transformers():
     """The last token that is not pad: with pad == EOS the token before a final EOS, as
     AutoModelForSequenceClassification reads a saved reward model."""

@@ -260,9 +260,12 @@ def check_keys(ds: datasets.Dataset, keys: dict[str, str | None], what: str) -> 
             raise ValueError(msg + (f" ({notes[-1]})" if notes else ""))
 
 
-def check_template(input_template: str | None, flag: str = "input_template") -> None:
+def check_template(
+    input_template: str | None, flag: str = "input_template", warn: bool = True
+) -> None:
     """ValueError unless ``input_template.format(prompt)`` works and shows the whole prompt (a
-    ``{{}}`` is a literal ``{}`` for ``str.format``; write literal braces as ``{{`` ``}}``)."""
+    ``{{}}`` is a literal ``{}`` for ``str.format``; write literal braces as ``{{`` ``}}``).
+    ``warn``: also warn about a literal backslash-n (once, where the flags are checked)."""
     if input_template is None:
         return
     a, b = "PROMPT_a_7f3e", "PROMPT_b_7f3e"
@@ -280,7 +283,7 @@ def check_template(input_template: str | None, flag: str = "input_template") -> 
             f"{flag} {input_template!r} has no '{{}}' where the prompt goes ('{{{{}}}}' is a "
             "literal '{}')"
         )
-    if "\\n" in input_template:  # 'Q: {}\nA: ' in a shell: a backslash and an n
+    if warn and "\\n" in input_template:  # 'Q: {}\nA: ' in a shell: a backslash and an n
         warnings.warn(
             f"{flag} {input_template!r} holds a literal backslash-n, not a newline: in bash "
             f"write $'Q: {{}}\\nA: ' (or \"Q: {{}}\\nA: \" in a YAML --config) for a newline",
@@ -406,7 +409,7 @@ def _prompt_messages(text, input_template: str | None, apply_chat_template: bool
     text = str(text) if isinstance(text, int) and not isinstance(text, bool) else text
     if not isinstance(text, str):
         raise ValueError(f"prompt: expected text, got {type(text).__name__} {text!r:.60}")
-    check_template(input_template)
+    check_template(input_template, warn=False)  # the flags' check warned already
     if input_template is not None:
         text = input_template.format(text)
     return [{"role": "user", "content": text}] if apply_chat_template else text
