@@ -535,17 +535,12 @@ def main(argv=None):
     )
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
-    deadline = os.environ.get("GPU_CHECK_DEADLINE", "").strip()  # make gpu-check's, whole target
-    if deadline:
-        try:
-            deadline = float(deadline)
-        except ValueError:
-            deadline = float("nan")
-        if not math.isfinite(deadline):
-            ap.error(
-                f"$GPU_CHECK_DEADLINE must be a Unix time in seconds, got "
-                f"{os.environ['GPU_CHECK_DEADLINE']!r}"
-            )
+    deadline = _deadline(os.environ.get("GPU_CHECK_DEADLINE", ""))  # make gpu-check's
+    if deadline is not None and not math.isfinite(deadline):
+        ap.error(
+            f"$GPU_CHECK_DEADLINE must be a Unix time in seconds, got "
+            f"{os.environ['GPU_CHECK_DEADLINE']!r}"
+        )
     if not torch.cuda.is_available():
         print("gpu_check needs CUDA", file=sys.stderr)
         return 2
@@ -573,7 +568,7 @@ def main(argv=None):
         stem = stem.with_name(f"{stem.name.rsplit('~', 1)[0]}~{n}")
     report["unfinished"] = list(args.only)
     budget = args.budget_s
-    if deadline:
+    if deadline is not None:
         left = deadline - time.time()
         budget = left if budget is None else min(budget, left)
     report["budget_s"] = None if budget is None else round(budget)
@@ -605,6 +600,16 @@ def main(argv=None):
     print(f"{stem}.md")
     failed = any(_fails(r) for n in PARTS for r in report.get(n, []))
     return 1 if failed or report["unfinished"] else 0
+
+
+def _deadline(text: str) -> float | None:
+    """``$GPU_CHECK_DEADLINE`` as a Unix time: None when unset, NaN when not a number."""
+    if not text.strip():
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
 
 
 def _seconds(text: str) -> float:

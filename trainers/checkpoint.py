@@ -8,8 +8,8 @@ a ``.tmp-*`` folder that resume ignores (and the next save removes), so the prev
 stays usable; a save failing on any rank stops every rank with that rank's error. Resume takes
 the newest ``step-*`` folder. With ``keep`` (``--save-total-limit``) only that many committed
 folders stay: older ones are renamed to ``.del-step-*`` (atomically, so a half-deleted folder is
-never taken for a checkpoint) and then deleted. ``--output-dir`` must be
-on a file system every node sees (as for DeepSpeed checkpoints in general).
+never taken for a checkpoint) and then deleted. ``--output-dir`` must be on a file system every
+node sees (as for DeepSpeed checkpoints in general).
 """
 
 from __future__ import annotations
