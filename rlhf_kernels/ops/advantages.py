@@ -69,13 +69,23 @@ def group_advantages(
     r = rewards.view(-1, group_size)  # (groups, G)
     if estimator == "rloo":
         return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)
-    centred = r - r.mean(1, keepdim=True)
+    # shifted by each group's first reward (detached: the same function, the same gradient) so
+    # a constant group centres to exactly 0: its rounded mean left ~eps * |r| that the std (of
+    # the same size) scaled up to O(1) advantages (fp32 reward 7.1, G = 7: 0.31 each, not 0)
+    d = r - r[:, :1].detach()
+    centred = d - d.mean(1, keepdim=True)
     if estimator == "dr_grpo":
         return centred.view(-1)
     if estimator == "grpo":
-        return (centred / (r.std(1, keepdim=True) + eps)).view(-1)
+        return (centred / _nonzero(d.std(1, keepdim=True) + eps)).view(-1)
     std = centred.std() if centred.numel() > 1 else centred.new_zeros(())
-    return (centred / (std + eps)).view(-1)  # reinforce_baseline
+    return (centred / _nonzero(std + eps)).view(-1)  # reinforce_baseline
+
+
+def _nonzero(den: torch.Tensor) -> torch.Tensor:
+    """``den`` with 1 where it is 0 (``eps = 0`` and no spread: the centred values are exactly 0
+    there, and 0 / 0 would be NaN)."""
+    return torch.where(den == 0, 1.0, den)
 
 
 def whiten(
@@ -111,12 +121,15 @@ def whiten(
     if not torch.compiler.is_compiling() and n < 2:  # one host read
         raise ValueError(f"whiten needs at least 2 selected entries, got {int(n)}")
     keep = m != 0  # junk (NaN) at unselected entries stays out of the statistics
+    # two passes: the first mean (detached, so the gradient is unchanged) rounds by ~eps * |x|,
+    # which the rsqrt of a tiny variance scaled up (a constant 70.3 whitened to 0.076, not 0)
+    x = x - (torch.where(keep, x, 0).sum() / n).detach()
     mean = torch.where(keep, x, 0).sum() / n
     centred = x - mean
     if shift_only:
         return centred
     var = torch.where(keep, centred.square(), 0).sum() / (n - 1)  # unbiased
-    return centred * torch.rsqrt(var + eps)
+    return centred * torch.rsqrt(_nonzero(var + eps))  # (eps = 0, no spread: 0, not NaN)
 
 
 def _check_eps(eps) -> None:
