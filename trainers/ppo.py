@@ -437,25 +437,28 @@ def advantages(samples: list[Sample], cfg: PPOConfig, layout: Layout, repeats: i
     old = torch.cat([s.old_logp for s in samples])
     kl = kl_penalty(old, torch.cat([s.ref_logp for s in samples]), cfg.kl_estimator)
     cu = common_cu([s.n_act for s in samples])
-    scalar = torch.tensor([s.reward for s in samples])
+    # float64 from the Python floats to the stored results: fp32 rewards of 1e4 +- 1e-3 are
+    # rounded to ~1e-3 (their group centring, returns and whitening then work on the rounding)
+    scalar = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     if cfg.advantage_estimator == "reinforce_baseline":  # centred, / the global batch's std
         scalar = group_advantages(scalar, cfg.n_samples_per_prompt, "dr_grpo")
         scalar = scalar / (global_moments(scalar, layout, repeats)[1] ** 0.5 + 1e-6)
     elif cfg.advantage_estimator in GROUP_ESTIMATORS:
         scalar = group_advantages(scalar, cfg.n_samples_per_prompt, cfg.advantage_estimator)
-    tok_r = torch.zeros_like(old)
+    tok_r = torch.zeros_like(old, dtype=torch.float64)
     # the reward lands on the last response token (an empty response has none to carry it)
     has = torch.tensor([s.n_act > 0 for s in samples], dtype=torch.bool)
     tok_r[cu[1:][has] - 1] = scalar[has]
     if not cfg.kl_in_loss:
-        tok_r = tok_r - cfg.kl_coef * kl
+        tok_r = tok_r - cfg.kl_coef * kl.double()
     if cfg.advantage_estimator == "gae":
-        values = torch.cat([s.values for s in samples])
+        values = torch.cat([s.values for s in samples]).double()
         adv, ret = gae(tok_r, values, gamma=cfg.gamma, lam=cfg.lam, cu_seqlens=cu)
         adv = global_whiten(adv, layout, repeats)
     else:
         ret = discounted_returns(tok_r, gamma=cfg.gamma, cu_seqlens=cu)
         adv = global_whiten(ret, layout, repeats) if cfg.advantage_estimator == "reinforce" else ret
+    adv, ret = adv.to(old.dtype), ret.to(old.dtype)  # stored as the log-probs are
     for s, a, r in zip(
         samples, adv.split([s.n_act for s in samples]), ret.split([s.n_act for s in samples])
     ):
