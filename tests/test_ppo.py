@@ -725,6 +725,34 @@ def test_reference_memory_flags_are_checked():
         PPOConfig(ref_zero_stage=3, tp_size=2).validate()
 
 
+@pytest.mark.parametrize("kl_clamp", [10.0, 0.0])
+def test_k3_kl_far_from_the_reference_is_clamped_not_inf(kl_clamp):
+    """A sampled token the reference finds e^-100 times less likely than the actor: k3's
+    exp(ref - logp) overflows fp32, so the reward became -inf and the advantages NaN; the
+    default --kl-clamp 10 bounds each token's KL (0 turns the clamp off)."""
+    from trainers import ppo
+    from trainers.distributed import Layout
+
+    samples = []
+    for r in (1.0, 0.0):
+        s = ppo.Sample(torch.arange(3, 8), 2, reward=r)
+        s.old_logp = torch.tensor([-0.1, -120.0, -0.2])
+        s.ref_logp = torch.tensor([-0.2, -20.0, -0.3])  # (a k3 of e^100: inf in fp32)
+        samples.append(s)
+    cfg = ppo.PPOConfig(
+        advantage_estimator="grpo", n_samples_per_prompt=2, kl_coef=0.1, kl_clamp=kl_clamp
+    )
+    cfg.validate()
+    stats = ppo.advantages(samples, cfg, Layout(1, 0, 1, 1, 1, torch.device("cpu")))
+    adv = torch.cat([s.advantages for s in samples])
+    if kl_clamp:
+        k3 = [math.expm1(-0.1) + 0.1, 10.0, math.expm1(-0.1) + 0.1]
+        assert stats["kl"] == pytest.approx(sum(k3) / 3, rel=1e-6)
+        assert torch.isfinite(adv).all()
+    else:  # no clamp: the overflow is there (the run stops at the non-finite loss)
+        assert not math.isfinite(stats["kl"])
+
+
 @pytest.mark.parametrize(
     "kw,expected",
     [
@@ -742,6 +770,7 @@ def test_reference_memory_flags_are_checked():
         (dict(lam=0.5, critic_lr=5.0), "--critic-lr 5.0, --lam 0.5: used by --advantage-est"),
         (dict(value_clip=0.5, advantage_estimator="rloo"), "got --advantage-estimator rloo"),
         (dict(kl_in_loss=True), "--kl-in-loss adds --kl-coef x KL to the loss"),
+        (dict(kl_clamp=-1.0), "--kl-clamp must be >= 0 .0: no clamp., got -1.0"),
         (dict(eval_steps=2, eval_ratio=0.0), "--eval-steps 2 evaluates held-out data"),
         # --ref-offload implies --ref-zero-stage 3: the advice names the flag the user gave
         (dict(ref_offload=True, tp_size=2), "with --tp-size 2 .*drop --ref-offload"),

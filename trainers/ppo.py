@@ -78,6 +78,11 @@ class PPOConfig(TrainConfig):
     kl_coef: float = _f(0.0, "KL(actor || reference) coefficient")
     kl_estimator: str = _f("k3", "per-token KL estimator", choices=("k1", "k2", "k3"))
     kl_in_loss: bool = _f(False, "add the KL to the loss instead of subtracting it from rewards")
+    kl_clamp: float = _f(
+        10.0,
+        "clamp each token's KL estimate to [-c, c] (k3 overflows to inf where the reference "
+        "gives a sampled token e^-88 of the actor's probability; 0: no clamp)",
+    )
     clip_low: float = _f(0.2, "ratio clip below 1 (eps_clip)")
     clip_high: float = _f(0.2, "ratio clip above 1 (clip-higher when larger than --clip-low)")
     dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages")
@@ -151,6 +156,8 @@ class PPOConfig(TrainConfig):
             raise ValueError(f"--dual-clip must be > 1 (or left out), got {self.dual_clip}")
         if not self.value_clip >= 0:
             raise ValueError(f"--value-clip must be >= 0 (0: no clipping), got {self.value_clip}")
+        if not self.kl_clamp >= 0:
+            raise ValueError(f"--kl-clamp must be >= 0 (0: no clamp), got {self.kl_clamp}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError(
                 f"--kl-coef and --entropy-coef must be >= 0, got {self.kl_coef}, "
@@ -429,13 +436,17 @@ def global_whiten(x: torch.Tensor, layout: Layout, repeats: int) -> torch.Tensor
     return (x - mean) * (var + 1e-8) ** -0.5
 
 
+def _clamp(cfg: PPOConfig) -> float | None:
+    return cfg.kl_clamp or None
+
+
 def advantages(samples: list[Sample], cfg: PPOConfig, layout: Layout, repeats: int = 0) -> dict:
     """KL, per-token rewards, advantages and returns of whole samples (``old_logp``,
     ``ref_logp``, ``values`` and ``reward`` set); returns the step's statistics. ``repeats``:
     ranks holding each sample (default ``tp``; ring ranks all hold the whole samples here)."""
     repeats = repeats or layout.tp
     old = torch.cat([s.old_logp for s in samples])
-    kl = kl_penalty(old, torch.cat([s.ref_logp for s in samples]), cfg.kl_estimator)
+    kl = kl_penalty(old, torch.cat([s.ref_logp for s in samples]), cfg.kl_estimator, _clamp(cfg))
     cu = common_cu([s.n_act for s in samples])
     # float64 from the Python floats to the stored results: fp32 rewards of 1e4 +- 1e-3 are
     # rounded to ~1e-3 (their group centring, returns and whitening then work on the rounding)
@@ -564,7 +575,7 @@ def train_actor(engine, batch, cfg: PPOConfig, layout: Layout, pad_id: int) -> d
             loss = surrogate
             if cfg.kl_in_loss and cfg.kl_coef:
                 ref = _cat(mb, "ref_logp").to(dev)
-                kl = kl_penalty(logp, ref, cfg.kl_estimator)
+                kl = kl_penalty(logp, ref, cfg.kl_estimator, _clamp(cfg))
                 loss = loss + cfg.kl_coef * kl.sum() / max(kl.numel(), 1)
             # a ring shard may hold no action token: its mean is 0 (weight 0), not NaN
             ent_mean = ent.sum() / max(ent.numel(), 1)
