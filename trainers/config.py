@@ -51,7 +51,11 @@ class TrainConfig:
         "in bash for a newline (literal braces: '{{' '}}')",
     )
     apply_chat_template: bool = _f(False, "wrap the prompt with the tokenizer's chat template")
-    max_len: int = _f(512, "truncate each sample (prompt + response + EOS) to this many tokens")
+    max_len: int = _f(
+        512,
+        "truncate each sample (prompt + response + EOS) to this many tokens (one whose prompt "
+        "alone fills it is dropped; the run counts both)",
+    )
     # batching
     batch_size: int = _f(
         32, "global batch in samples per optimizer step, whatever the number of ranks"

@@ -32,7 +32,13 @@ from trainers.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from trainers.distributed import Layout, all_ranks_ok, init_distributed, peak_memory_mb
+from trainers.distributed import (
+    Layout,
+    all_ranks_ok,
+    init_distributed,
+    peak_memory_mb,
+    shutdown,
+)
 
 DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl", "ppo": "prompts_toy.jsonl"}
 DEFAULT_REWARD_FN = "trainers.rewards:reverse_reward"  # scores the bundled prompts' task
@@ -639,6 +645,7 @@ class Session:
             agree(error, "saving the model")
         except (OSError, OtherRankFailed) as e:
             common.fail(f"saving the model to {out} failed ({e}); an earlier export there is kept")
+        shutdown()  # gloo groups alive at interpreter exit can abort a finished run (SIGABRT)
         return out
 
     def on_every_rank(self, fn, *args):
