@@ -424,3 +424,18 @@ def test_batch_seqs_count_a_samples_ring_and_tp_copies_once(monkeypatch, layout)
     samples = [ppo.Sample(torch.zeros(4, dtype=torch.long), 2) for _ in range(5)]
     batch = shards if layout.ring > 1 else samples
     assert ppo._batch_seqs(batch, layout) == 5 * layout.dp
+
+
+def test_reward_std_of_rewards_far_from_zero(monkeypatch):
+    """reward_std was one-pass (E[r^2] - E[r]^2): rewards of 1e9 + O(1) lost it to rounding
+    (squares of 1e18 have an ulp of 128). Two passes over the ranks keep it exact."""
+    import sys
+
+    me = sys.modules[__name__]
+    shifted = [{**row, "r": [1e9 + r for r in row["r"]]} for row in ROWS]
+    monkeypatch.setattr(me, "ROWS", shifted)
+    session, _ = _run(monkeypatch, Layout(2, 1, 1, 1, 2, CPU), 2)
+    want = _expected()
+    assert want["reward_std"] > 0.1
+    for step in (1, 2):
+        assert session.logged[step]["reward_std"] == pytest.approx(want["reward_std"], rel=1e-9)

@@ -419,15 +419,18 @@ def make_experience(
     return advantages(samples, cfg, layout)
 
 
-def global_moments(x: torch.Tensor, layout: Layout, repeats: int) -> tuple[float, float]:
-    """Mean and unbiased variance of the values of every data-parallel rank (each value is held
-    by ``repeats`` ranks). Two passes in float64: the global mean, then the squared deviations
-    from it (one pass loses the variance of values far from zero)."""
+def global_moments(
+    x: torch.Tensor, layout: Layout, repeats: int, ddof: int = 1
+) -> tuple[float, float]:
+    """Mean and variance (unbiased; ``ddof=0``: the population's) of the values of every
+    data-parallel rank (each value is held by ``repeats`` ranks). Two passes in float64: the
+    global mean, then the squared deviations from it (one pass loses the variance of values far
+    from zero)."""
     x = x.double()
     n, tot = sum_across([x.numel() / repeats, x.sum().item() / repeats], layout)
     mean = tot / max(n, 1)
     (sq,) = sum_across([(x - mean).square().sum().item() / repeats], layout)
-    return mean, sq / max(n - 1, 1)
+    return mean, sq / max(n - ddof, 1)
 
 
 def global_whiten(x: torch.Tensor, layout: Layout, repeats: int) -> torch.Tensor:
@@ -474,24 +477,9 @@ def advantages(samples: list[Sample], cfg: PPOConfig, layout: Layout, repeats: i
         samples, adv.split([s.n_act for s in samples]), ret.split([s.n_act for s in samples])
     ):
         s.advantages, s.returns = a, r
-    n, kl_sum, a_sum, a_sq = sum_across(
-        [
-            x / repeats
-            for x in (
-                adv.numel(),
-                kl.sum().item(),
-                adv.sum().item(),
-                adv.double().square().sum().item(),
-            )
-        ],
-        layout,
-    )
-    mean = a_sum / max(n, 1)
-    return {
-        "kl": kl_sum / max(n, 1),
-        "advantage_mean": mean,
-        "advantage_std": max(a_sq / max(n, 1) - mean * mean, 0.0) ** 0.5,
-    }
+    n, kl_sum = sum_across([adv.numel() / repeats, kl.sum().item() / repeats], layout)
+    mean, var = global_moments(adv, layout, repeats, ddof=0)
+    return {"kl": kl_sum / max(n, 1), "advantage_mean": mean, "advantage_std": var**0.5}
 
 
 def common_cu(lengths: list[int]) -> torch.Tensor:
@@ -776,20 +764,19 @@ def train(cfg: PPOConfig) -> dict:
         upd = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         t2 = time.perf_counter()
         rep = s.layout.tp * s.layout.ring  # ranks holding each sample's bookkeeping
-        r_sum, r_sq, n, length, tokens = sum_across(
+        n, length, tokens = sum_across(
             [
-                sum(x.reward for x in samples) / rep,
-                sum(x.reward**2 for x in samples) / rep,
                 len(samples) / rep,
                 sum(x.n_act for x in samples) / rep,
                 sum(x.n_act + x.n_prompt for x in samples) / rep,
             ],
             s.layout,
         )
-        mean = r_sum / n
+        rewards = torch.tensor([x.reward for x in samples], dtype=torch.float64)
+        mean, var = global_moments(rewards, s.layout, rep, ddof=0)
         metrics = {
             "reward_mean": mean,
-            "reward_std": math.sqrt(max(r_sq / n - mean * mean, 0.0)),
+            "reward_std": math.sqrt(var),
             "response_length": length / n,
             **exp,
             **upd,
