@@ -919,6 +919,25 @@ def linear_nll_loss(
     forward pass (``_FusedLinearLoss``, 3 matmuls; under torch.compile the same math in the
     ``rlhf_kernels::linear_loss_fwd`` op); otherwise this is ``linear_logprobs`` + a sum.
     """
+    try:  # a bad input on one rank of ``group`` raises on all (none waits in the all-reduce)
+        hidden, lab, bad, m = _nll_inputs(
+            hidden, weight, labels, mask, bias, temperature, ignore_index, softcap, label_smoothing
+        )
+    except (TypeError, ValueError):
+        _fail_on_group(group, hidden, labels)
+        raise
+    wt = m / _token_count(m, group)  # per-token weight of -logp in the loss
+    hidden, lab, (wt, bad) = _live_rows(hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad,))
+    smooth = float(label_smoothing)
+    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth=smooth)
+    return _nan_if_bad(loss, bad, wt)
+
+
+def _nll_inputs(
+    hidden, weight, labels, mask, bias, temperature, ignore_index, softcap, label_smoothing
+):
+    """``linear_nll_loss``'s checks; returns hidden ``(T, H)``, the labels and their
+    out-of-range flags (``mask_labels``) and the ``(T,)`` token mask."""
     _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
     if not (is_scalar(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
@@ -937,11 +956,7 @@ def linear_nll_loss(
     m = torch.ones(T, device=hidden.device) if mask is None else mask.reshape(-1).to(torch.float32)
     if ignored is not None:
         m = m.masked_fill(ignored, 0.0)
-    wt = m / _token_count(m, group)  # per-token weight of -logp in the loss
-    hidden, lab, (wt, bad) = _live_rows(hidden, lab, wt, padded=len(labels.shape) > 1, more=(bad,))
-    smooth = float(label_smoothing)
-    loss = _scalar_loss(hidden, weight, bias, lab, temperature, wt, softcap, smooth=smooth)
-    return _nan_if_bad(loss, bad, wt)
+    return hidden, lab, bad, m
 
 
 @under_autocast
@@ -987,21 +1002,16 @@ def linear_policy_loss(
     """
     from rlhf_kernels.ops import losses
 
-    _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
-    losses._check_float(old_logp=old_logp, advantages=advantages)
-    losses._check_policy_args(aggregation, clip_low, clip_high, dual_clip, norm_length)
-    if old_logp.shape != labels.shape:
-        raise ValueError(
-            f"old_logp must have labels' shape {tuple(labels.shape)}, got {tuple(old_logp.shape)}"
+    try:  # a bad input on one rank of ``group`` raises on all (none waits in the all-reduce)
+        _check(hidden, weight, labels, bias, temperature, None, None, ignore_index, softcap)
+        clips = (clip_low, clip_high, dual_clip, norm_length)
+        _policy_checks(losses, labels, old_logp, advantages, group, aggregation, *clips)
+        m, seq, n_seq = losses._token_layout(
+            "old_logp", old_logp.float(), mask, cu_seqlens, aggregation, advantages=advantages
         )
-    if group is not None and aggregation != "token-mean":
-        raise ValueError(
-            f"group= (a token mean over a ring) works with aggregation='token-mean' only, got "
-            f"{aggregation!r}"
-        )
-    m, seq, n_seq = losses._token_layout(
-        "old_logp", old_logp.float(), mask, cu_seqlens, aggregation, advantages=advantages
-    )
+    except (TypeError, ValueError):
+        _fail_on_group(group, hidden, labels)
+        raise
     hidden = hidden.reshape(-1, hidden.shape[-1])
     lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
     m = m.reshape(-1)
@@ -1023,14 +1033,48 @@ def linear_policy_loss(
     return _nan_if_bad(loss, bad, wt)
 
 
+def _policy_checks(losses, labels, old_logp, advantages, group, aggregation, *clips):
+    losses._check_float(old_logp=old_logp, advantages=advantages)
+    losses._check_policy_args(aggregation, *clips)
+    if old_logp.shape != labels.shape:
+        raise ValueError(
+            f"old_logp must have labels' shape {tuple(labels.shape)}, got {tuple(old_logp.shape)}"
+        )
+    if group is not None and aggregation != "token-mean":
+        raise ValueError(
+            f"group= (a token mean over a ring) works with aggregation='token-mean' only, got "
+            f"{aggregation!r}"
+        )
+
+
 def _token_count(m, group):
-    """``sum(m)`` (at least 1), summed over ``group`` when given (one scalar all-reduce)."""
+    """``sum(m)`` (at least 1), summed over ``group`` when given: one all-reduce of
+    ``[count, failed ranks]`` (``_fail_on_group`` joins it from a rank whose input was bad), so
+    a bad input on any rank raises on every rank (at the cost of one host read)."""
     n = m.detach().sum(dtype=torch.float64)
     if group is not None:
         import torch.distributed as dist
 
-        dist.all_reduce(n, group=group)
+        both = torch.stack([n, torch.zeros_like(n)])
+        dist.all_reduce(both, group=group)
+        if bool(both[1] > 0):
+            raise ValueError(
+                f"{int(both[1])} other rank(s) of the group passed invalid input (their own "
+                "error says which); every rank raises"
+            )
+        n = both[0]
     return n.clamp_min(1.0).to(m.dtype)
+
+
+def _fail_on_group(group, *tensors) -> None:
+    """A rank whose input failed the checks joins ``_token_count``'s all-reduce, flagged."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    flags = torch.tensor([0.0, 1.0], dtype=torch.float64, device=device or "cpu")
+    dist.all_reduce(flags, group=group)
 
 
 def _live_rows(hidden, lab, wt, padded, more=()):
