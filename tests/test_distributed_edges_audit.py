@@ -50,45 +50,55 @@ def _finish(tmp_path, monkeypatch):
     Session.finish(s, None, None, "", plot=[])
 
 
-def test_finish_destroys_the_process_group_the_trainer_created(tmp_path, monkeypatch, _no_group):
-    from trainers.distributed import init_distributed
+def test_finish_destroys_at_exit_the_process_group_the_trainer_created(
+    tmp_path, monkeypatch, _no_group
+):
+    from trainers import distributed
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    init_distributed(1, 1)  # as Session.start: no group yet, so it creates one
+    distributed.init_distributed(1, 1)  # as Session.start: no group yet, so it creates one
+    distributed._destroy_groups()  # (interpreter exit) a run that has not finished: left alone
     assert dist.is_initialized()
     _finish(tmp_path, monkeypatch)
+    assert dist.is_initialized()  # a second run in this process would join it
+    distributed._destroy_groups()  # interpreter exit, the atexit handler
     assert not dist.is_initialized()  # no gloo group left for interpreter finalization
 
 
 def test_finish_leaves_a_callers_process_group_alone(tmp_path, monkeypatch, _no_group):
-    from trainers.distributed import init_distributed
+    from trainers import distributed
 
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    distributed.init_distributed(1, 1)  # an earlier run of this process created one ...
+    dist.destroy_process_group()  # ... that its caller destroyed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    init_distributed(1, 1)  # joins the caller's group
+    distributed.init_distributed(1, 1)  # joins the caller's group
     _finish(tmp_path, monkeypatch)
+    distributed._destroy_groups()
     assert dist.is_initialized()  # the caller's group: the caller destroys it
 
 
 _EXIT = """
 import sys, torch, torch.distributed as dist
-from trainers.distributed import init_distributed, shutdown
+from trainers.distributed import destroy_at_exit, init_distributed
 layout = init_distributed(1, 1)
 for _ in range(3):  # (an all-gather, as ZeRO-3 and the comm streams do)
     dist.all_gather([torch.empty(64) for _ in range(layout.world)], torch.ones(64))
-if sys.argv[1] == "shutdown":
-    shutdown()
+if sys.argv[1] == "finish":  # as Session.finish
+    destroy_at_exit()
 """
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_three_gloo_ranks_exit_cleanly_after_shutdown(tmp_path):
+def test_three_gloo_ranks_exit_cleanly_after_a_finished_run(tmp_path):
     """The abort itself, without a trainer: 3 torchrun ranks that all-gather and exit with the
     group alive abort ("terminate called without an active exception") in about half the runs
-    here (run the script with ``none``); after ``shutdown`` all 4 runs exit 0."""
+    here (run the script with ``none``); after ``destroy_at_exit`` all 4 runs exit 0."""
     import os
     import subprocess
     import sys
@@ -103,7 +113,7 @@ def test_three_gloo_ranks_exit_cleanly_after_shutdown(tmp_path):
     codes, errs = [], []
     for _ in range(4):
         proc = subprocess.run(
-            [*cmd, str(script), "shutdown"], env=env, capture_output=True, text=True, timeout=120
+            [*cmd, str(script), "finish"], env=env, capture_output=True, text=True, timeout=120
         )
         codes.append(proc.returncode)
         errs.append(proc.stderr[-2000:])

@@ -727,7 +727,7 @@ def test_reference_memory_flags_are_checked():
 
 @pytest.mark.parametrize("kl_clamp", [10.0, 0.0])
 def test_k3_kl_far_from_the_reference_is_clamped_not_inf(kl_clamp):
-    """A sampled token the reference finds e^-100 times less likely than the actor: k3's
+    """A sampled token the actor finds e^-100 times less likely than the reference: k3's
     exp(ref - logp) overflows fp32, so the reward became -inf and the advantages NaN; the
     default --kl-clamp 10 bounds each token's KL (0 turns the clamp off)."""
     from trainers import ppo

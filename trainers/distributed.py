@@ -12,6 +12,7 @@ NCCL on CUDA).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
@@ -88,7 +89,10 @@ def init_distributed(ring: int, tp: int, timeout_s: int = 600) -> Layout:
         # a world of one: a TCP store on a port picked earlier could be taken meanwhile
         alone_kw = dict(store=dist.HashStore(), rank=0, world_size=1) if alone else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **alone_kw)
-        _OWNED[0] = True
+        if _OWNED[0] is None:
+            atexit.register(_destroy_groups)
+        _OWNED[0] = dist.group.WORLD
+    _FINISHED[0] = False
     rank = dist.get_rank()
     layout = Layout(world, rank, world // (ring * tp), ring, tp, device)
     if ring > 1:  # every rank creates every group, in the same order
@@ -101,23 +105,29 @@ def init_distributed(ring: int, tp: int, timeout_s: int = 600) -> Layout:
     return layout
 
 
-_OWNED = [False]  # whether init_distributed created the default process group
+_OWNED: list = [None]  # the default process group init_distributed created last (if any)
+_FINISHED = [False]  # whether the last run of this process finished (Session.finish)
 
 
-def shutdown() -> None:
-    """Destroy the process groups ``init_distributed`` created (``Session.finish``, the end of a
-    successful run).
+def destroy_at_exit() -> None:
+    """At interpreter exit, destroy the process groups ``init_distributed`` created (called
+    by ``Session.finish``: a successful run).
 
     A process that exits with gloo groups alive can abort in interpreter finalization (their
     worker threads still hold work objects: "terminate called without an active exception",
-    SIGABRT), so a run that trained and saved everything would exit non-zero. A group the
-    caller created before the trainer ran is left alone. Reproduced without any trainer: 3 gloo
-    processes that all-gather and exit abort about half the time on torch 2.13; with
-    ``destroy_process_group`` never (tests/test_distributed_edges_audit.py)."""
-    if _OWNED[0] and dist.is_initialized():
+    SIGABRT), so a run that trained and saved everything would exit non-zero. Reproduced
+    without any trainer: 3 gloo processes that all-gather and exit abort about half the time on
+    torch 2.13; with ``destroy_process_group`` never (tests/test_distributed_edges_audit.py).
+    At exit, not now: a second run in the same process joins the live group, whose clones
+    DeepSpeed caches (destroyed, they fail its next ``initialize``). A group the caller created
+    before the trainer ran is left alone; a failed run is left as it was."""
+    _FINISHED[0] = True
+
+
+def _destroy_groups() -> None:  # registered with atexit by init_distributed
+    if _FINISHED[0] and dist.is_initialized() and dist.group.WORLD is _OWNED[0]:
         gc.collect()  # unreferenced work handles (in cycles) die while their group is alive
         dist.destroy_process_group()
-    _OWNED[0] = False
 
 
 def all_ranks_ok(ok: bool, message: str, layout: Layout | None) -> None:

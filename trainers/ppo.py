@@ -80,8 +80,8 @@ class PPOConfig(TrainConfig):
     kl_in_loss: bool = _f(False, "add the KL to the loss instead of subtracting it from rewards")
     kl_clamp: float = _f(
         10.0,
-        "clamp each token's KL estimate to [-c, c] (k3 overflows to inf where the reference "
-        "gives a sampled token e^-88 of the actor's probability; 0: no clamp)",
+        "clamp each token's KL estimate to [-c, c] (k3 overflows to inf where the actor "
+        "gives a sampled token e^-88 of the reference's probability; 0: no clamp)",
     )
     clip_low: float = _f(0.2, "ratio clip below 1 (eps_clip)")
     clip_high: float = _f(0.2, "ratio clip above 1 (clip-higher when larger than --clip-low)")

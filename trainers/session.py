@@ -35,9 +35,9 @@ from trainers.checkpoint import (
 from trainers.distributed import (
     Layout,
     all_ranks_ok,
+    destroy_at_exit,
     init_distributed,
     peak_memory_mb,
-    shutdown,
 )
 
 DEFAULT_DATA = {"sft": "sft_toy.jsonl", "rm": "preference_toy.jsonl", "ppo": "prompts_toy.jsonl"}
@@ -645,7 +645,7 @@ class Session:
             agree(error, "saving the model")
         except (OSError, OtherRankFailed) as e:
             common.fail(f"saving the model to {out} failed ({e}); an earlier export there is kept")
-        shutdown()  # gloo groups alive at interpreter exit can abort a finished run (SIGABRT)
+        destroy_at_exit()  # gloo groups alive in interpreter finalization can abort (SIGABRT)
         return out
 
     def on_every_rank(self, fn, *args):

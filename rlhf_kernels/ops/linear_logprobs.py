@@ -923,7 +923,7 @@ def linear_nll_loss(
         hidden, lab, bad, m = _nll_inputs(
             hidden, weight, labels, mask, bias, temperature, ignore_index, softcap, label_smoothing
         )
-    except (TypeError, ValueError):
+    except Exception:  # any type (an AttributeError, a RuntimeError): the peers must not wait
         _fail_on_group(group, hidden, labels)
         raise
     wt = m / _token_count(m, group)  # per-token weight of -logp in the loss
@@ -1009,15 +1009,15 @@ def linear_policy_loss(
         m, seq, n_seq = losses._token_layout(
             "old_logp", old_logp.float(), mask, cu_seqlens, aggregation, advantages=advantages
         )
-    except (TypeError, ValueError):
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
+        m = m.reshape(-1)
+        seq = None if seq is None else seq.reshape(-1)
+        if ignored is not None:  # a token with no label does not count
+            m = m.masked_fill(ignored, 0.0)
+    except Exception:  # any type (an AttributeError, a RuntimeError): the peers must not wait
         _fail_on_group(group, hidden, labels)
         raise
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    lab, ignored, bad = mask_labels(labels, weight.shape[0], ignore_index)
-    m = m.reshape(-1)
-    seq = None if seq is None else seq.reshape(-1)
-    if ignored is not None:  # a token with no label does not count
-        m = m.masked_fill(ignored, 0.0)
     if group is None:
         wt = losses._token_weights(m, seq, n_seq, aggregation, norm_length)
     else:
@@ -1040,6 +1040,8 @@ def _policy_checks(losses, labels, old_logp, advantages, group, aggregation, *cl
         raise ValueError(
             f"old_logp must have labels' shape {tuple(labels.shape)}, got {tuple(old_logp.shape)}"
         )
+    if old_logp.device != labels.device:
+        raise ValueError(f"old_logp is on {old_logp.device}, labels on {labels.device}")
     if group is not None and aggregation != "token-mean":
         raise ValueError(
             f"group= (a token mean over a ring) works with aggregation='token-mean' only, got "
@@ -1072,9 +1074,21 @@ def _fail_on_group(group, *tensors) -> None:
         return
     import torch.distributed as dist
 
-    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
-    flags = torch.tensor([0.0, 1.0], dtype=torch.float64, device=device or "cpu")
+    flags = torch.tensor([0.0, 1.0], dtype=torch.float64, device=_flag_device(group, *tensors))
     dist.all_reduce(flags, group=group)
+
+
+def _flag_device(group, *tensors) -> torch.device:
+    """Where the failure flag is all-reduced: NCCL takes CUDA tensors only (the bad input may
+    be a CPU ``hidden`` or no tensor at all: a CPU flag raised a RuntimeError there and left
+    the peers waiting); other backends take the first tensor's device, else the CPU."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        cuda = [t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+        return cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    return device if device is not None and device.type != "meta" else torch.device("cpu")
 
 
 def _live_rows(hidden, lab, wt, padded, more=()):
