@@ -94,7 +94,8 @@ def init_distributed(ring: int, tp: int, timeout_s: int = 600) -> Layout:
             atexit.register(_destroy_groups)
         # a weak reference: a destroyed group object kept alive into interpreter finalization
         # aborts there too (5 ranks: 12 of 12 runs)
-        _OWNED[:] = [weakref.ref(dist.group.WORLD)]
+        world_group = dist.group.WORLD
+        _OWNED[:] = [weakref.ref(world_group) if world_group is not None else lambda: None]
     _FINISHED[0] = False
     rank = dist.get_rank()
     layout = Layout(world, rank, world // (ring * tp), ring, tp, device)
