@@ -1,4 +1,5 @@
 import os
+import threading
 
 import torch
 
@@ -48,3 +49,73 @@ def _keep_launcher_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def _no_group():
+    """No default process group before and after the test."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _ThreadRing:
+    """Collectives for ``world`` threads, each one a ring rank (``run`` starts them)."""
+
+    def __init__(self, world):
+        self.world, self.slots = world, [None] * world
+        self.barrier = threading.Barrier(world, timeout=20)
+        self.local = threading.local()
+
+    def group_rank(self, group=None):
+        return self.local.rank, self.world
+
+    def _exchange(self, t):
+        self.slots[self.local.rank] = t.clone()
+        self.barrier.wait()
+        every = list(self.slots)
+        self.barrier.wait()
+        return every
+
+    def all_gather_flat(self, out, inp, group=None):
+        out.copy_(torch.cat(self._exchange(inp)))
+
+    def all_reduce(self, t, group=None):
+        t.copy_(torch.stack(self._exchange(t)).sum(0))
+
+    def run(self, fn):
+        """``fn(rank)`` on every rank; returns each rank's result or exception."""
+        out = [None] * self.world
+
+        def body(rank):
+            self.local.rank = rank
+            try:
+                out[rank] = fn(rank)
+            except Exception as exc:  # noqa: BLE001 - compared by the test
+                out[rank] = exc
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+
+@pytest.fixture
+def thread_ring(monkeypatch):
+    """Two threads playing ring ranks: ``gather`` / ``validate``'s collectives between them."""
+    import torch.distributed as dist
+
+    from rlhf_kernels.ring import gather, validate
+
+    fake = _ThreadRing(2)
+    monkeypatch.setattr(gather, "group_rank", fake.group_rank)
+    monkeypatch.setattr(validate, "all_gather_flat", fake.all_gather_flat)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
+    return fake

@@ -5,68 +5,19 @@ the stream entry points on an in-process gloo world of one; one test on two gloo
 """
 
 import math
-import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from rlhf_kernels.ring import gather, validate
+from rlhf_kernels.ring import gather
 from rlhf_kernels.ring.plan import RingPlan
 from rlhf_kernels.ring.spawn import free_port, run_gloo
 
 
-class _FakeRing:
-    """Collectives for ``world`` threads, each one a ring rank (``run`` starts them)."""
-
-    def __init__(self, world):
-        self.world, self.slots = world, [None] * world
-        self.barrier = threading.Barrier(world, timeout=20)
-        self.local = threading.local()
-
-    def group_rank(self, group=None):
-        return self.local.rank, self.world
-
-    def _exchange(self, t):
-        self.slots[self.local.rank] = t.clone()
-        self.barrier.wait()
-        every = list(self.slots)
-        self.barrier.wait()
-        return every
-
-    def all_gather_flat(self, out, inp, group=None):
-        out.copy_(torch.cat(self._exchange(inp)))
-
-    def all_reduce(self, t, group=None):
-        t.copy_(torch.stack(self._exchange(t)).sum(0))
-
-    def run(self, fn):
-        """``fn(rank)`` on every rank; returns each rank's result or exception."""
-        out = [None] * self.world
-
-        def body(rank):
-            self.local.rank = rank
-            try:
-                out[rank] = fn(rank)
-            except Exception as exc:  # noqa: BLE001 - compared by the test
-                out[rank] = exc
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return out
-
-
 @pytest.fixture
-def ring(monkeypatch):
-    fake = _FakeRing(2)
-    monkeypatch.setattr(gather, "group_rank", fake.group_rank)
-    monkeypatch.setattr(validate, "all_gather_flat", fake.all_gather_flat)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
-    return fake
+def ring(thread_ring):
+    return thread_ring
 
 
 def _plan(cu=(0, 5, 9)):

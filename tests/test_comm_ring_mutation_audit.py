@@ -42,65 +42,6 @@ def test_gather_to_a_dst_of_a_subgroup_maps_ranks_and_keeps_complex_values():
 
 
 # ----------------------------------------------------------------------------- two thread ranks
-class _ThreadRing:
-    """``world`` threads playing ring ranks, with an all_gather between them."""
-
-    def __init__(self, world):
-        import threading
-
-        self.world, self.slots = world, [None] * world
-        self.barrier = threading.Barrier(world, timeout=20)
-        self.local = threading.local()
-
-    def all_gather_flat(self, out, inp, group=None):
-        self.slots[self.local.rank] = inp.clone()
-        self.barrier.wait()
-        out.copy_(torch.cat(self.slots))
-        self.barrier.wait()
-
-    def group_rank(self, group=None):
-        return self.local.rank, self.world
-
-    def all_reduce(self, t, group=None):
-        self.slots[self.local.rank] = t.clone()
-        self.barrier.wait()
-        t.copy_(torch.stack(self.slots).sum(0))
-        self.barrier.wait()
-
-    def run(self, fn):
-        import threading
-
-        out = [None] * self.world
-
-        def body(rank):
-            self.local.rank = rank
-            try:
-                out[rank] = fn(rank)
-            except Exception as exc:  # noqa: BLE001 - compared by the test
-                out[rank] = exc
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return out
-
-
-@pytest.fixture
-def thread_ring(monkeypatch):
-    import torch.distributed as dist
-
-    from rlhf_kernels.ring import gather, validate
-
-    ring = _ThreadRing(2)
-    monkeypatch.setattr(validate, "all_gather_flat", ring.all_gather_flat)
-    monkeypatch.setattr(gather, "group_rank", ring.group_rank)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "all_reduce", ring.all_reduce)
-    return ring
-
-
 _OPTIONS = dict(
     comm="p2p", window_size=(-1, -1), softcap=0.0, kv_head_stride=None, tile=64, causal=True,
     softmax_scale=None,

@@ -17,15 +17,6 @@ from rlhf_kernels.ring.plan import RingPlan
 from rlhf_kernels.ring.spawn import run_gloo
 
 
-@pytest.fixture
-def _no_group():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _finish(tmp_path, monkeypatch):
     """``Session.finish`` of a one-process run, the weights gathering and export faked."""
     from types import SimpleNamespace

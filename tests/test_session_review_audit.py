@@ -22,15 +22,6 @@ from rlhf_kernels.ops.linear_logprobs import linear_nll_loss, linear_policy_loss
 from rlhf_kernels.ring.spawn import run_gloo
 
 
-@pytest.fixture
-def _no_group():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_second_run_in_one_process_after_a_finished_run(monkeypatch, _no_group):
     pytest.importorskip("deepspeed")
     from deepspeed.comm import init_distributed as ds_init
