@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -177,6 +179,19 @@ def test_kl_k3_clamp_keeps_gradients_finite(dtype):
     torch.testing.assert_close(kl.double(), expect, rtol=1e-2, atol=1e-3)
     grad = torch.where(expect < 10.0, 1 - torch.exp(-d), 0.0)  # clamped: no gradient
     torch.testing.assert_close(logp.grad.double(), grad, rtol=1e-2, atol=1e-3)
+
+
+def test_kl_k3_of_an_impossible_token_is_inf_not_nan():
+    """Without a clamp, a token the policy gives probability 0 (logp = -inf) has k3 = +inf; it
+    was exp(inf) - 1 - inf = NaN. The other tokens keep their values and finite gradients."""
+    logp = torch.tensor([-math.inf, -1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.0, -math.inf, -1.5], dtype=torch.float64)
+    kl = kl_penalty(logp, ref, "k3")
+    assert kl[0] == math.inf and kl[1] == math.inf
+    torch.testing.assert_close(kl[2], torch.tensor(math.exp(0.5) - 1.5, dtype=torch.float64))
+    (grad,) = torch.autograd.grad(kl[1:].sum(), logp)
+    assert torch.isfinite(grad).all(), grad
+    torch.testing.assert_close(grad[2], torch.tensor(1 - math.exp(0.5), dtype=torch.float64))
 
 
 def test_bad_input():

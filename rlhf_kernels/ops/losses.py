@@ -39,7 +39,8 @@ def kl_penalty(
         logp: policy log-probs of the sampled tokens, any shape, float.
         ref_logp: reference-model log-probs, logp's shape.
         estimator: ``"k1"`` ``logp - ref``; ``"k2"`` ``0.5 (logp - ref)^2``;
-            ``"k3"`` ``exp(ref - logp) - 1 - (ref - logp)`` (unbiased, non-negative).
+            ``"k3"`` ``exp(ref - logp) - 1 - (ref - logp)`` (unbiased, non-negative; +inf
+            where ``logp`` is -inf and ``ref_logp`` finite, without ``clamp``).
         clamp: if given (> 0), the estimate is clamped to ``[-clamp, clamp]``.
     Returns: logp's shape, in the promoted dtype of logp and ref_logp (computed in fp32 at
     least: bf16's ``expm1(x) - x`` cancels to 4% error at typical log-ratios).
@@ -65,7 +66,10 @@ def kl_penalty(
         x = -d  # ref - logp
         if clamp is not None:  # exp(x) finite; f(x) = expm1(x) - x is >= clamp from this bound
             x = x.clamp(max=math.log1p(clamp) + 1.0)  # on, so values and gradients are unchanged
-        kl = torch.expm1(x) - x
+        # logp = -inf (a token the policy cannot give): f(+inf) = +inf, not inf - inf = NaN
+        inf = torch.isposinf(x)
+        xs = torch.where(inf, 0.0, x)  # (the unselected branch's gradient must stay finite)
+        kl = torch.where(inf, math.inf, torch.expm1(xs) - xs)
     return (kl if clamp is None else kl.clamp(-clamp, clamp)).to(dtype)
 
 
