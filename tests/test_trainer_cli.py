@@ -152,6 +152,18 @@ def test_yaml_applied_and_overridden_by_flags(tmp_path):
     assert parse_config(Cfg, ["--config", path]).max_samples is None
 
 
+def test_yaml_numbers_for_text_options_keep_their_text(tmp_path):
+    """A text option given a YAML number takes it as written: ``007`` (YAML 1.1 octal), ``1.10``
+    and ``0x1F`` were converted to '7', '1.1' and '31'. Number options still get numbers."""
+    path = _yaml(tmp_path, "dataset: 007\nmodel: 1.10\nbatch_size: 0x1F\nlr: 2.50\n")
+    cfg = parse_config(Cfg, ["--config", path])
+    assert (cfg.dataset, cfg.model) == ("007", "1.10")
+    assert (cfg.batch_size, cfg.lr) == (31, 2.5) and type(cfg.batch_size) is int
+    assert type(cfg.lr) is float
+    cfg = parse_config(Cfg, ["--config", _yaml(tmp_path, "dataset: 0x1F\nmodel: 1_000\n")])
+    assert (cfg.dataset, cfg.model) == ("0x1F", "1_000")
+
+
 def test_yaml_unknown_key(tmp_path, capsys):
     msg = _exit2(capsys, ["--config", _yaml(tmp_path, {"batch_size": 2, "learning_rate": 1})])
     assert "unknown key 'learning_rate'" in msg

@@ -12,7 +12,8 @@ annotation: ``int``, ``float``, ``str``, ``bool`` or ``X | None`` / ``Optional[X
 
 ``--config FILE.yaml`` is a mapping of field names (``max_len`` or ``max-len``) to values,
 applied first: flags given on the command line win. YAML values are converted with the flag's
-type (PyYAML reads ``1e-4`` as a string; it becomes a float); ``null`` only for ``X | None``,
+type (PyYAML reads ``1e-4`` as a string; it becomes a float; a text option takes a number as
+written: ``input_key: 007`` is '007', not '7'); ``null`` only for ``X | None``,
 whose flags also take ``none`` (so a flag can unset a YAML value).
 
 Errors exit with status 2 and one line ``prog: error: ...``: a bad flag value or choice
@@ -167,6 +168,7 @@ def _convert(key: str, value: Any, tp: type, nullable: bool, choices: Any) -> An
     elif tp is str:
         if not isinstance(value, (str, int, float)):
             raise bad
+        value = getattr(value, "text", value)  # a number as written: 007, 1.10, 0x1F
         value = (_or_none(str) if nullable else str)(value)  # 'none' as on the command line
     else:  # int or float: numbers, or strings such as "1e-4" that PyYAML leaves unparsed
         if not isinstance(value, (str, int, float)) or (tp is int and isinstance(value, float)):
@@ -180,9 +182,26 @@ def _convert(key: str, value: Any, tp: type, nullable: bool, choices: Any) -> An
     return value
 
 
+class _Int(int):
+    """A YAML int that remembers its text (``007`` for a text option is '007', not '7')."""
+
+    text: str
+
+
+class _Float(float):
+    """A YAML float that remembers its text (``1.10`` for a text option is '1.10')."""
+
+    text: str
+
+
 class _UniqueKeys(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    one silently)."""
+    one silently); its numbers keep their source text."""
+
+    def _with_text(self, node, cls, construct):
+        out = cls(construct(self, node))
+        out.text = node.value
+        return out
 
     def construct_mapping(self, node, deep=False):
         seen: list = []
@@ -196,6 +215,16 @@ class _UniqueKeys(yaml.SafeLoader):
                 )
             seen.append(key)
         return super().construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(
+    "tag:yaml.org,2002:int",
+    lambda self, node: self._with_text(node, _Int, yaml.SafeLoader.construct_yaml_int),
+)
+_UniqueKeys.add_constructor(
+    "tag:yaml.org,2002:float",
+    lambda self, node: self._with_text(node, _Float, yaml.SafeLoader.construct_yaml_float),
+)
 
 
 def _load_yaml(path: str, fields: dict) -> dict[str, Any]:
