@@ -35,7 +35,9 @@ def group_advantages(
     Args:
         rewards: ``(N,)`` float scalar reward per response, ``N`` a multiple of ``group_size``,
             groups contiguous.
-        group_size: responses per prompt ``G`` (>= 2 for ``"grpo"`` and ``"rloo"``).
+        group_size: responses per prompt ``G`` (>= 2 for ``"grpo"`` and ``"rloo"``; with 1,
+            ``"dr_grpo"`` and ``"reinforce_baseline"`` give all zeros: each reward is its
+            group's mean).
         estimator: one of ``"grpo"``, ``"dr_grpo"``, ``"rloo"``, ``"reinforce_baseline"``.
         eps: added to the std before dividing.
     Returns: ``(N,)`` advantages in rewards' dtype (half inputs are computed in fp32;
