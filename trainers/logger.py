@@ -60,8 +60,9 @@ def _number(key: str, value: Any) -> int | float:
 
 def _step(step: Any) -> int:
     """``step`` as an int: an optimizer step count (Python, numpy or integer-tensor int >= 0)."""
-    try:
-        value = None if isinstance(step, bool) else operator.index(step)
+    boolean = isinstance(step, bool) or str(getattr(step, "dtype", "")) in ("bool", "torch.bool")
+    try:  # (operator.index takes a bool tensor as 0 or 1)
+        value = None if boolean else operator.index(step)
     except TypeError:
         value = None
     if value is None or value < 0:
@@ -215,9 +216,9 @@ def plot_metrics(
     records: list[dict[str, Any]], plot_keys: list[tuple[str, ...]], output_dir: str, title: str
 ) -> str | None:
     """``<output_dir>/metrics.png``, one subplot per key group against step; keys never logged
-    are skipped; None (and no file) when nothing is left to plot."""
+    and records without a step are skipped; None (and no file) when nothing is left to plot."""
     series: dict[str, tuple[list, list]] = {}
-    for r in sorted(records, key=lambda r: r.get("step", 0)):
+    for r in sorted((r for r in records if "step" in r), key=lambda r: r["step"]):
         for k, v in r.items():
             if k != "step" and v is not None:
                 xs, ys = series.setdefault(k, ([], []))

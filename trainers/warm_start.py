@@ -167,7 +167,7 @@ def ensure_warm_start(
             )
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
         try:
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder is meant to be shared
+            # the model folder is made by sft with the umask's modes, not mkdtemp's private one
             model = _build(tmp, steps, quiet, dst)
             if dst.exists():
                 dst.rmdir()  # empty (checked above)
