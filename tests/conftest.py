@@ -89,21 +89,28 @@ class _ThreadRing:
 
     def run(self, fn):
         """``fn(rank)`` on every rank; returns each rank's result or exception."""
-        out = [None] * self.world
+        return run_on_threads(self.world, fn, lambda rank: setattr(self.local, "rank", rank))
 
-        def body(rank):
-            self.local.rank = rank
-            try:
-                out[rank] = fn(rank)
-            except Exception as exc:  # noqa: BLE001 - compared by the test
-                out[rank] = exc
 
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return out
+def run_on_threads(world, fn, start=lambda rank: None):
+    """``fn(rank)`` on ``world`` threads after ``start(rank)`` on each; every rank's result or
+    exception, in rank order. Fails when a rank is still running after 30 s."""
+    out = [None] * world
+
+    def body(rank):
+        start(rank)
+        try:
+            out[rank] = fn(rank)
+        except Exception as exc:  # noqa: BLE001 - compared by the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_on_threads
 
 from rlhf_kernels.comm import _protocol, _stream, _wire
 from rlhf_kernels.comm.broadcast import broadcast_chunked, scatter_for_ring
@@ -146,22 +147,10 @@ class _FakeDist:
         return self._p2p(src, self.rank, "recv", tensor)
 
     def run(self, fn):
-        out = [None] * self.world
-
-        def body(rank):
+        def start(rank):
             self.local.rank, self.local.counts = rank, {}
-            try:
-                out[rank] = fn(rank)
-            except Exception as exc:  # noqa: BLE001 - compared by the test
-                out[rank] = exc
 
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        return out
+        return run_on_threads(self.world, fn, start)
 
 
 def _fake(monkeypatch, world):

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_sft_rm_contract import _fake_sft
 
 from trainers.logger import MetricsLogger, plot_metrics, read_metrics
 
@@ -189,24 +190,6 @@ def test_plot_has_the_title_and_one_labelled_panel_per_group(tmp_path, monkeypat
 
 
 # ----------------------------------------------------------------------------- warm start
-def _fake_sft(calls):
-    """Stands in for the SFT subprocess: records (cmd, env), writes its run folder."""
-    import subprocess
-
-    from trainers import tiny
-
-    def run(cmd, env, **kw):
-        calls.append((cmd, env))
-        out = Path(cmd[cmd.index("--output-dir") + 1])
-        (out / "model").mkdir(parents=True)
-        for f in (*tiny.REQUIRED_FILES, "model.safetensors"):
-            (out / "model" / f).write_text("{}")
-        (out / "metrics.jsonl").write_text('{"loss": 3.0}\n{"loss": 1.5, "eval_loss": 1.6}\n')
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    return run
-
-
 def test_warm_start_marker_records_the_recipe_and_the_folder_is_shared(tmp_path, monkeypatch):
     from trainers import warm_start
 
