@@ -124,8 +124,9 @@ def test_refusals_are_clear():
         rk.flash_attn_func(q[None], q[None], q[None, :5])  # the caller's shapes, not flattened
 
 
-def test_deterministic_reaches_flash_attn(monkeypatch):
-    """The flag reaches flash-attn's own call, eager and compiled (the op carries it)."""
+def fake_flash(monkeypatch) -> list:
+    """A stand-in ``flash_attn`` module (the torch reference behind flash-attn's varlen
+    signature) taken as present on "CUDA"; returns the list of ``deterministic`` flags it got."""
     calls = []
 
     def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, deterministic, return_attn_probs, **kw):
@@ -140,6 +141,12 @@ def test_deterministic_reaches_flash_attn(monkeypatch):
     )
     monkeypatch.setattr(va, "_is_cuda", lambda t: True)
     monkeypatch.setattr(va, "_flash_attn_available", lambda: True)
+    return calls
+
+
+def test_deterministic_reaches_flash_attn(monkeypatch):
+    """The flag reaches flash-attn's own call, eager and compiled (the op carries it)."""
+    calls = fake_flash(monkeypatch)
     q = torch.randn(6, 2, 8, dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     for det in (True, False):
