@@ -176,7 +176,7 @@ def _segments_from_position_ids(
         [start.nonzero().flatten(), torch.tensor([flat.numel()], device=flat.device)]
     )
     cu = bounds.to(torch.int32)
-    result = (cu, int(bounds.diff().max()))
+    result = (cu, int(bounds.diff().max()) if len(bounds) > 1 else 0)  # (an empty batch: 0)
     with _POS_CACHE_LOCK:
         _POS_CACHE[0] = (weakref.ref(pos), _version(pos), key, result)
     return result
@@ -457,7 +457,7 @@ def rlhf_attention_forward(
             )
         cu_q, cu_k = _row_cu_seqlens(bsz, s_q, s_k, query.device)
         out = varlen_attention(q, k, v, cu_q, cu_k, s_q, s_k, **common)
-    return out.reshape(bsz, s_q, heads, -1), None
+    return out.reshape(bsz, s_q, heads, out.shape[-1]), None
 
 
 def _check_position_ids(pos: torch.Tensor, bsz: int, s_q: int) -> None:
@@ -513,7 +513,7 @@ def _padded_attention(q, k, v, mask, window, common, pos=None) -> torch.Tensor:
         **common,
     )
     full = out.new_zeros(bsz * s_q, heads, out.shape[-1]).index_copy(0, idx_q, out)
-    return full.reshape(bsz, s_q, heads, -1)
+    return full.reshape(bsz, s_q, heads, out.shape[-1])
 
 
 _MASK_CACHE_LOCK = threading.Lock()
