@@ -527,11 +527,14 @@ def test_ring_rollouts_reproduce_the_single_process_run(extra, untrained, reques
             "grad_norm",
             "value_loss",
         ):
-            # kl (~1e-3 at step 2) is a mean of log-prob differences (~2 each): rounding of
-            # the log-probs (~1e-7 relative) leaves ~1e-6 in it (measured 1.2e-6 here)
-            atol = 5e-6 if key == "kl" else 1e-6
+            # kl at step 2 (~1e-3) measures how far step 1's Adam update moved the actor from
+            # the reference: gradient entries that cancel to rounding noise get full-size steps
+            # of either sign from Adam, so it differs by up to ~0.5% between layouts (measured
+            # 0.49% with scatter-reward-model-zero3 while the step-1 gradient norms agreed to
+            # 1.2e-8; 1.2e-6 absolute with other seeds)
+            rtol, atol = (1e-2, 5e-6) if key == "kl" else (1e-4, 1e-6)
             if key in a:
-                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]) + atol, (key, a, b)
+                assert abs(a[key] - b[key]) <= rtol * abs(a[key]) + atol, (key, a, b)
 
 
 @pytest.mark.slow
