@@ -317,3 +317,15 @@ def test_empty_batch_gives_an_empty_output(padded, positions):
     kw = {} if positions is None else dict(position_ids=torch.zeros(positions, dtype=torch.long))
     out = _forward(q, k, v, mask, **kw)
     assert out.shape == (0, 5, HEADS, DIM)
+
+
+@pytest.mark.parametrize("bsz", [0, 2])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("positions", [False, True])
+def test_rows_of_no_tokens_give_an_empty_output(bsz, padded, positions):
+    """Rows of length 0 give ``(B, 0, heads, D)`` as SDPA does; with a mask or position_ids
+    they failed (an index out of bounds, a slice step of 0)."""
+    q, k, v = _qkv(bsz, 0)
+    mask = torch.ones(bsz, 0, dtype=torch.bool) if padded else None
+    kw = dict(position_ids=torch.zeros(bsz, 0, dtype=torch.long)) if positions else {}
+    assert _forward(q, k, v, mask, **kw).shape == (bsz, 0, HEADS, DIM)

@@ -369,8 +369,12 @@ def rlhf_attention_forward(
             softcap=cap,
             **ring.kwargs,
         )
-        return out.reshape(1, s_q, heads, -1), None
+        return out.reshape(1, s_q, heads, out.shape[-1]), None
 
+    # no query rows: the empty output, as SDPA gives (after the ring branch: a ring rank
+    # without tokens still joins the exchange)
+    if s_q == 0:
+        return query.new_empty(bsz, 0, heads, value.shape[-1]), None
     common = dict(
         dropout_p=dropout,
         softmax_scale=scaling,
