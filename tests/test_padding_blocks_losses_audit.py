@@ -176,8 +176,9 @@ def _simulated_ring(plan, q, k, v, do, causal, window, softcap, fused, tile):
 def test_blocks_of_a_simulated_ring_match_single_device(
     world, layout, causal, window, softcap, fused, dtype
 ):
-    """Partly masked tiles of another rank's keys, with equal tile sizes but not on the
-    diagonal, must not take the fused kernel's top-left causal mask."""
+    """Every rank's tiles of a simulated ring, fused or not, give single-device attention.
+    (The tiling never makes an equal-size causal tile off the diagonal, so the fused kernel's
+    top-left-mask guard is pinned directly, in test_packing_blocks_mutation_audit.py.)"""
     g = torch.Generator().manual_seed(1)
     total = sum(LENGTHS)
     q, do = (torch.randn(total, 4, 8, generator=g, dtype=torch.float64) for _ in "qo")
