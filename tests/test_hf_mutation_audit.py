@@ -10,11 +10,13 @@ tracker forgetting a dead config whose id was reused. Fast: torch backend, float
 attention module (no model).
 """
 
+import functools
 import threading
 import weakref
 
 import pytest
 import torch
+from test_hf_schedule_contract import _qkv as contract_qkv
 
 from rlhf_kernels.integrations import hf
 from rlhf_kernels.ops.varlen_attention import varlen_attention_reference
@@ -28,13 +30,7 @@ def _module(causal=True):
     return module.eval()
 
 
-def _qkv(bsz, s_q, s_k=None, seed=0, k_dim=DIM):
-    g = torch.Generator().manual_seed(seed)
-    s_k = s_q if s_k is None else s_k
-    q = torch.randn(bsz, HEADS, s_q, DIM, generator=g, dtype=torch.float64)
-    k = torch.randn(bsz, KV_HEADS, s_k, k_dim, generator=g, dtype=torch.float64)
-    v = torch.randn(bsz, KV_HEADS, s_k, DIM, generator=g, dtype=torch.float64)
-    return q, k, v
+_qkv = functools.partial(contract_qkv, heads=HEADS, kv_heads=KV_HEADS)
 
 
 def _cu(lens):

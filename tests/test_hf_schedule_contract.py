@@ -19,13 +19,13 @@ def _module(causal=True):
     return module
 
 
-def _qkv(bsz, s_q, s_k=None, seed=0):
-    """HF layout ``(B, heads, S, D)`` float64 q, k, v."""
+def _qkv(bsz, s_q, s_k=None, seed=0, *, heads=HEADS, kv_heads=KV_HEADS, k_dim=DIM):
+    """HF layout ``(B, heads, S, D)`` float64 q, k, v (k's head dim ``k_dim``)."""
     g = torch.Generator().manual_seed(seed)
     s_k = s_q if s_k is None else s_k
-    q = torch.randn(bsz, HEADS, s_q, DIM, generator=g, dtype=torch.float64)
-    k = torch.randn(bsz, KV_HEADS, s_k, DIM, generator=g, dtype=torch.float64)
-    v = torch.randn(bsz, KV_HEADS, s_k, DIM, generator=g, dtype=torch.float64)
+    q = torch.randn(bsz, heads, s_q, DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(bsz, kv_heads, s_k, k_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(bsz, kv_heads, s_k, DIM, generator=g, dtype=torch.float64)
     return q, k, v
 
 
